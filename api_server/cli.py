@@ -1,0 +1,108 @@
+"""The `loom` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from api_server.launcher import ServeConfig, StartupError, serve
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MB', '1.5g' or a plain number of bytes."""
+    match = _SIZE.match(text)
+    if not match or (match.group(2) or "").lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 2GiB or 512MB)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="Loom: an OpenAI-compatible LLM server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer); "
+                        "default: the embedded SmolLM2-135M-Instruct, converted on first use")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id clients use; default: the model directory's name")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weights and KV cache dtype")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output); default: the model's own")
+    s.add_argument("--max-num-seqs", type=int, default=64,
+                   help="maximum number of requests batched in one step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget per step; longer prompts are prefilled in chunks")
+    s.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="memory for the KV cache, e.g. 2GiB; default: 40%% of the RAM available "
+                        "after loading the weights, at most 4 GiB")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse KV blocks of shared prompt prefixes")
+    s.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads in the worker; default: all cores")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="log verbosity")
+    return parser
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    if args.model is None:
+        from worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        model_dir = ensure_default_model()
+        name = args.served_model_name or DEFAULT_MODEL_NAME
+    else:
+        model_dir = os.path.abspath(os.path.expanduser(args.model))
+        name = args.served_model_name or os.path.basename(model_dir.rstrip("/"))
+    for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(args, flag) < (0 if flag == "port" else 1):
+            raise StartupError(f"--{flag.replace('_', '-')} must be positive")
+    return ServeConfig(
+        model_dir=model_dir, served_model_name=name, host=args.host, port=args.port,
+        dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
+        log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def check_model_dir(cfg: ServeConfig) -> None:
+    from worker.model_config import UnsupportedModelError, load_model_config, resolve_max_model_len
+
+    if not os.path.isdir(cfg.model_dir):
+        raise StartupError(f"--model {cfg.model_dir}: no such directory")
+    try:
+        resolve_max_model_len(load_model_config(cfg.model_dir), cfg.max_model_len)
+    except (FileNotFoundError, UnsupportedModelError, ValueError, KeyError) as exc:
+        raise StartupError(f"--model {cfg.model_dir}: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = serve_config_from_args(args)
+        check_model_dir(cfg)
+    except (StartupError, FileNotFoundError) as exc:
+        print(f"loom: error: {exc}", file=sys.stderr)
+        return 1
+    from pipelines.lifecycle import setup_logging
+
+    setup_logging(cfg.log_level)
+    return serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

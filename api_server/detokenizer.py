@@ -1,0 +1,88 @@
+"""Incremental detokenization and stop-string matching, per request.
+
+Decoding one token at a time is wrong for byte-level BPE: a multi-byte character can span
+tokens, and some tokens only form text together. So we decode a short window twice (with and
+without the newest tokens) and emit only the difference, holding back while the window ends in
+an incomplete character (U+FFFD) - the approach of TGI and vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens that seed the window, so the first generated word gets its leading space right.
+_SEED_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list((prompt_ids or [])[-_SEED_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add tokens; returns the text they complete (possibly empty)."""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            delta = text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character stays replaced)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix_text):] if len(text) > len(prefix_text) else ""
+
+
+class StopStringMatcher:
+    """Cuts the output at the first stop string, and never releases text that could still
+    turn out to be the start of one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """Returns the text that is safe to send now."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return delta
+        self.pending += delta
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        hold = self._longest_partial_stop()
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+    def _longest_partial_stop(self) -> int:
+        """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,111 @@
+"""From one engine stream to text: detokenize, apply stop strings, decide finish_reason.
+
+Shared by the completions and chat routes. A request with several choices (n > 1, or several
+prompts) runs one engine request per choice; `merge_choices` interleaves their deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from api_server.engine_client import EngineClient
+from pipelines.context import TextContext
+from pipelines.status import GenerationStatus
+
+
+class GenerationError(RuntimeError):
+    """The engine ended a request with an error (a failed step, a dead process)."""
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # set on the last delta of a choice
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+async def stream_choice(
+    engine: EngineClient, ctx: TextContext, tokenizer, index: int,
+    stop: list[str], skip_special_tokens: bool,
+) -> AsyncIterator[ChoiceDelta]:
+    prompt_ids = ctx.prompt_tokens.tolist()
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    stops = StopStringMatcher(stop)
+    stop_ids = set(ctx.sampling_params.stop_token_ids or ())
+    eos_ids = set() if ctx.ignore_eos else set(ctx.eos_token_ids)
+    completion_tokens = 0
+    async for output in engine.generate(ctx):
+        if output.final_status is GenerationStatus.ERROR:
+            raise GenerationError(output.error or "generation failed")
+        tokens = output.tokens
+        completion_tokens += len(tokens)
+        finish = _finish_reason(output.final_status)
+        # The token that ended generation (EOS, a stop id) is counted but not shown.
+        visible = tokens
+        if finish == "stop" and tokens and tokens[-1] in (stop_ids | eos_ids):
+            visible = tokens[:-1]
+        text = stops.push(detok.push(visible)) if visible else ""
+        if finish is not None and not stops.stopped:
+            text += stops.push(detok.flush())
+            text += stops.flush()
+        if stops.stopped:
+            # A stop string ended it: leaving the loop cancels the request in the scheduler.
+            yield ChoiceDelta(index, text, tokens, "stop", len(prompt_ids), completion_tokens)
+            return
+        yield ChoiceDelta(index, text, tokens, finish, len(prompt_ids), completion_tokens)
+        if finish is not None:
+            return
+    raise GenerationError("the engine stream ended without a final status")
+
+
+def _finish_reason(status: GenerationStatus) -> str | None:
+    if status is GenerationStatus.END_OF_SEQUENCE:
+        return "stop"
+    if status is GenerationStatus.MAXIMUM_LENGTH:
+        return "length"
+    if status is GenerationStatus.CANCELLED:
+        return "abort"
+    return None
+
+
+async def merge_choices(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """Yield deltas from several choice streams as they arrive."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put(delta)
+        except BaseException as exc:  # surfaced to the consumer below
+            await queue.put(exc)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

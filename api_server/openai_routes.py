@@ -1,0 +1,299 @@
+"""/v1/completions, /v1/chat/completions and /v1/models, as OpenAI defines them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from api_server.engine_client import EngineClient, EngineDeadError
+from api_server.generation import ChoiceDelta, GenerationError, merge_choices, stream_choice
+from api_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    SamplingFields,
+    decode_body,
+    prompts_of,
+)
+from api_server.tokenizer import TextTokenizer
+from pipelines.request import TokenGeneratorRequest
+from pipelines.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger("loom.api")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_json = msgspec.json.Encoder()
+
+
+def json_response(body: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def error_response(exc: RequestError) -> Response:
+    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+    return json_response(exc.body(), status=exc.status, headers=headers)
+
+
+class OpenAIRoutes:
+    def __init__(self, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
+                 model_aliases: set[str], max_model_len: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.model_aliases = model_aliases | {model_name}
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+
+    # ---- /v1/models -------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "loom", "root": self.model_name, "parent": None,
+                "max_model_len": self.max_model_len}
+
+    async def list_models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": [self.model_card()]})
+
+    # ---- shared -----------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise RequestError(f"the model `{model}` does not exist", param="model", status=404,
+                               code="model_not_found")
+
+    def _check_engine(self) -> None:
+        if not self.engine.is_healthy:
+            raise RequestError("the server is not ready to serve requests", status=503,
+                               code="service_unavailable")
+
+    def _sampling_params(self, req: SamplingFields, max_tokens: int | None, index: int,
+                         ) -> SamplingParams:
+        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", None)):
+            value = getattr(req, name)
+            if value not in (default, None, 1.0 if name == "repetition_penalty" else default):
+                raise RequestError(f"{name} is not supported yet", param=name)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        try:
+            return SamplingParams(
+                top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                min_p=req.min_p or 0.0,
+                temperature=temperature,
+                max_new_tokens=max_tokens,
+                min_new_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                stop=stop or None,
+                stop_token_ids=req.stop_token_ids,
+                seed=(seed + index) % (1 << 63),  # each choice its own stream
+            )
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+
+    async def _contexts(self, make_request: Callable[[int], TokenGeneratorRequest], count: int):
+        return [await self.tokenizer.new_context(make_request(i)) for i in range(count)]
+
+    def _streams(self, contexts, req: SamplingFields) -> list[AsyncIterator[ChoiceDelta]]:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return [stream_choice(self.engine, ctx, self.tokenizer.delegate, i, stop,
+                              req.skip_special_tokens) for i, ctx in enumerate(contexts)]
+
+    # ---- /v1/completions --------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = decode_body(await request.body(), CompletionRequest)
+            self._check_model(req.model)
+            for name in ("logprobs", "suffix"):
+                if getattr(req, name):
+                    raise RequestError(f"{name} is not supported yet", param=name)
+            if req.echo:
+                raise RequestError("echo is not supported yet", param="echo")
+            self._check_engine()
+            prompts = prompts_of(req)
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+            if max_tokens == 0:
+                raise RequestError("max_tokens must be at least 1", param="max_tokens")
+            request_id = uuid.uuid4().hex
+            n = req.n
+            contexts = await self._contexts(lambda i: TokenGeneratorRequest(
+                id=f"{request_id}-{i}", index=i, model_name=self.model_name,
+                prompt=prompts[i // n], request_path="/v1/completions",
+                timestamp_ns=time.time_ns(),
+                sampling_params=self._sampling_params(req, max_tokens, i),
+            ), len(prompts) * n)
+        except RequestError as exc:
+            return error_response(exc)
+        streams = self._streams(contexts, req)
+        response_id = f"cmpl-{request_id}"
+        if req.stream:
+            return self._sse(self._completion_chunks(response_id, streams, req), request)
+        return await self._collect(request, self._completion_body(response_id, streams, req.n))
+
+    async def _completion_chunks(self, response_id: str, streams, req: CompletionRequest):
+        created = int(time.time())
+        usage = _Usage(req.n)
+        async for d in merge_choices(streams):
+            usage.add(d)
+            if d.text or d.finish_reason:
+                yield {"id": response_id, "object": "text_completion", "created": created,
+                       "model": self.model_name,
+                       "choices": [{"index": d.index, "text": d.text, "logprobs": None,
+                                    "finish_reason": d.finish_reason}]}
+        if req.stream_options and req.stream_options.include_usage:
+            yield {"id": response_id, "object": "text_completion", "created": created,
+                   "model": self.model_name, "choices": [], "usage": usage.body()}
+
+    async def _completion_body(self, response_id: str, streams, n: int) -> dict:
+        texts: dict[int, list[str]] = {}
+        finish: dict[int, str] = {}
+        usage = _Usage(n)
+        async for d in merge_choices(streams):
+            usage.add(d)
+            texts.setdefault(d.index, []).append(d.text)
+            if d.finish_reason:
+                finish[d.index] = d.finish_reason
+        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": None,
+                    "finish_reason": finish.get(i)} for i in sorted(texts)]
+        return {"id": response_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage.body()}
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req = decode_body(await request.body(), ChatCompletionRequest)
+            self._check_model(req.model)
+            if req.logprobs:
+                raise RequestError("logprobs is not supported yet", param="logprobs")
+            if not req.messages:
+                raise RequestError("messages must not be empty", param="messages")
+            self._check_engine()
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+                else req.max_tokens
+            if max_tokens == 0:
+                raise RequestError("max_tokens must be at least 1", param="max_tokens")
+            messages = [msgspec.structs.asdict(m) for m in req.messages]
+            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            options = dict(req.chat_template_kwargs or {})
+            options["add_generation_prompt"] = req.add_generation_prompt
+            request_id = uuid.uuid4().hex
+            contexts = await self._contexts(lambda i: TokenGeneratorRequest(
+                id=f"{request_id}-{i}", index=i, model_name=self.model_name,
+                messages=messages, request_path="/v1/chat/completions",
+                timestamp_ns=time.time_ns(), chat_template_options=options,
+                sampling_params=self._sampling_params(req, max_tokens, i),
+            ), req.n)
+        except RequestError as exc:
+            return error_response(exc)
+        streams = self._streams(contexts, req)
+        response_id = f"chatcmpl-{request_id}"
+        if req.stream:
+            return self._sse(self._chat_chunks(response_id, streams, req), request)
+        return await self._collect(request, self._chat_body(response_id, streams, req.n))
+
+    async def _chat_chunks(self, response_id: str, streams, req: ChatCompletionRequest):
+        created = int(time.time())
+        usage = _Usage(req.n)
+
+        def chunk(index: int, delta: dict, finish: str | None) -> dict:
+            return {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_name,
+                    "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                 "finish_reason": finish}]}
+
+        for i in range(len(streams)):
+            yield chunk(i, {"role": "assistant", "content": ""}, None)
+        async for d in merge_choices(streams):
+            usage.add(d)
+            if d.text:
+                yield chunk(d.index, {"content": d.text}, None)
+            if d.finish_reason:
+                yield chunk(d.index, {}, d.finish_reason)
+        if req.stream_options and req.stream_options.include_usage:
+            yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                   "model": self.model_name, "choices": [], "usage": usage.body()}
+
+    async def _chat_body(self, response_id: str, streams, n: int) -> dict:
+        texts: dict[int, list[str]] = {}
+        finish: dict[int, str] = {}
+        usage = _Usage(n)
+        async for d in merge_choices(streams):
+            usage.add(d)
+            texts.setdefault(d.index, []).append(d.text)
+            if d.finish_reason:
+                finish[d.index] = d.finish_reason
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
+                    "logprobs": None, "finish_reason": finish.get(i)} for i in sorted(texts)]
+        return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage.body()}
+
+    # ---- transport --------------------------------------------------------------------------
+    def _sse(self, chunks: AsyncIterator[dict], request: Request) -> StreamingResponse:
+        async def events():
+            try:
+                async for chunk in chunks:
+                    yield b"data: " + _json.encode(chunk) + b"\n\n"
+            except (GenerationError, EngineDeadError) as exc:
+                yield b"data: " + _json.encode(_server_error(str(exc))) + b"\n\n"
+            finally:
+                await chunks.aclose()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _collect(self, request: Request, body_coro) -> Response:
+        """Run a non-streamed generation, abandoning it if the client goes away."""
+        work = asyncio.ensure_future(body_coro)
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()  # cancels the engine streams, which frees the KV blocks
+            await asyncio.gather(work, return_exceptions=True)
+            return Response(status_code=499)
+        try:
+            return json_response(work.result())
+        except (GenerationError, EngineDeadError) as exc:
+            return json_response(_server_error(str(exc)), status=500)
+
+
+def _server_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": "generation_failed"}}
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Usage:
+    """Token counts; the n choices of one prompt share it, so it is counted once (as OpenAI)."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+        self.prompt: dict[int, int] = {}
+        self.completion: dict[int, int] = {}
+
+    def add(self, d: ChoiceDelta) -> None:
+        self.prompt[d.index // self.n] = d.prompt_tokens
+        self.completion[d.index] = d.completion_tokens
+
+    def body(self) -> dict:
+        prompt = sum(self.prompt.values())
+        completion = sum(self.completion.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}

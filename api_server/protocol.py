@@ -1,0 +1,146 @@
+"""OpenAI request bodies as msgspec Structs: decoding validates types, ranges are checked by
+`check_*`; every failure becomes a 400 that names the offending parameter.
+
+Unknown fields are ignored, as OpenAI's own server does, so clients that send newer fields
+keep working.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields common to completions and chat (OpenAI's, then vLLM's extensions)."""
+
+    model: str | None = None
+    max_tokens: NonNegativeInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    seed: int | None = None
+    user: str | None = None
+    # Extensions, as vLLM names them.
+    top_k: int | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_tokens: NonNegativeInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of lists of token ids.
+    prompt: Union[str, list[Union[str, int, list[int]]]]
+    echo: bool | None = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: NonNegativeInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class RequestError(Exception):
+    """A client error: becomes an OpenAI-shaped error response."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.type = type_ or _error_type(status)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def _error_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error",
+            404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "server_error" if status >= 500 else
+                                         "invalid_request_error")
+
+
+_PATH = re.compile(r"at `\$\.?(.*)`")
+
+
+def decode_body(body: bytes, type_: type) -> Any:
+    """Decode and type-check a JSON body; errors name the offending parameter."""
+    if not body.strip():
+        raise RequestError("the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        param = match.group(1) if match else None
+        if text.startswith("Object missing required field"):
+            field = text.split("`")[1]
+            param = f"{param}.{field}" if param else field
+        raise RequestError(text, param=param or None) from None
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"invalid JSON body: {exc}") from None
+
+
+def prompts_of(request: CompletionRequest) -> list[str | list[int]]:
+    """A completion request's prompt(s), one list entry per prompt."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [_check_ids(prompt, "prompt")]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        return [_check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise RequestError("prompt must be a string, a list of strings, a list of token ids or a "
+                       "list of lists of token ids, not a mix", param="prompt")
+
+
+def _check_ids(ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise RequestError(f"{param} must not be empty", param=param)
+    if min(ids) < 0:
+        raise RequestError(f"{param} holds a negative token id", param=param)
+    return ids

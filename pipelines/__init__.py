@@ -1,0 +1,33 @@
+"""Loom's shared domain types: the names and meanings of max.pipelines.core."""
+
+from pipelines.context import TextContext
+from pipelines.interfaces import PipelineTokenizer, TokenGenerator
+from pipelines.request import (
+    TokenGeneratorRequest,
+    TokenGeneratorRequestFunction,
+    TokenGeneratorRequestMessage,
+    TokenGeneratorRequestTool,
+    TokenGeneratorResponseFormat,
+)
+from pipelines.response import LogProbabilities, TextGenerationOutput, TextResponse
+from pipelines.sampling_params import SamplingParams, SamplingParamsError
+from pipelines.status import GenerationStatus, PipelineTask, TextGenerationStatus
+
+__all__ = [
+    "GenerationStatus",
+    "LogProbabilities",
+    "PipelineTask",
+    "PipelineTokenizer",
+    "SamplingParams",
+    "SamplingParamsError",
+    "TextContext",
+    "TextGenerationOutput",
+    "TextGenerationStatus",
+    "TextResponse",
+    "TokenGenerator",
+    "TokenGeneratorRequest",
+    "TokenGeneratorRequestFunction",
+    "TokenGeneratorRequestMessage",
+    "TokenGeneratorRequestTool",
+    "TokenGeneratorResponseFormat",
+]

@@ -1,0 +1,264 @@
+"""TextContext: the token array and indices of one request, as max.pipelines.core lays it out.
+
+Token array layout:
+
+    +---------- full prompt ----------+                  CHUNK_SIZE*N v
+    +--------------------+---------------+-----------------+----------------+
+    |     completed      |  next_tokens  |                 |  preallocated  |
+    +--------------------+---------------+-----------------+----------------+
+               start_idx ^    active_idx ^         end_idx ^
+
+- completed: tokens already processed (their KV is in the cache).
+- next_tokens: tokens processed in the next step; a subset of the prompt under chunked prefill.
+- end_idx: one past the last valid token.
+
+The context is built in the API process, msgpack-encoded and sent to the scheduler, which owns it
+from then on. It carries no KV state: block tables live in the scheduler's BlockManager.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+import numpy as np
+
+from pipelines.response import LogProbabilities, TextGenerationOutput
+from pipelines.sampling_params import SamplingParams
+from pipelines.status import GenerationStatus
+
+CHUNK_SIZE = 128
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    max_length: int
+    tokens: np.ndarray
+    request_id: str = msgspec.field(default_factory=_new_request_id)
+    eos_token_ids: set[int] = msgspec.field(default_factory=set)
+    eos_sequences: list[list[int]] = msgspec.field(default_factory=list)
+    log_probabilities: int = 0
+    log_probabilities_echo: bool = False
+    ignore_eos: bool = False
+    json_schema: str | None = None
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    model_name: str = ""
+    status: GenerationStatus = GenerationStatus.ACTIVE
+    _size: int = -1
+    _start_idx: int = 0
+    _active_idx: int = -1
+    _end_idx: int = -1
+    _completion_start_idx: int = -1
+    _completion_end_idx: int = -1
+    _prompt_len: int = -1
+    _log_probabilities_data: dict[int, LogProbabilities] = msgspec.field(default_factory=dict)
+    _is_initial_prompt: bool = True
+    _draft_offset: int = 0
+    target_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self._end_idx != -1:  # decoded from the wire: indices are already set
+            return
+        prompt = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("a context needs at least one prompt token")
+        self._size = _round_up(n, CHUNK_SIZE)
+        self.tokens = np.zeros(self._size, dtype=np.int64)
+        self.tokens[:n] = prompt
+        self._start_idx = 0
+        self._active_idx = self._end_idx = self._prompt_len = n
+        self._completion_start_idx = self._completion_end_idx = n
+
+    # ---- indices -------------------------------------------------------------------------
+    @property
+    def start_idx(self) -> int:
+        return self._start_idx
+
+    @property
+    def active_idx(self) -> int:
+        return self._active_idx
+
+    @property
+    def end_idx(self) -> int:
+        return self._end_idx
+
+    @property
+    def active_length(self) -> int:
+        """Number of tokens input this step: the (chunk of the) prompt, or 1 when decoding."""
+        return self._active_idx - self._start_idx
+
+    @property
+    def current_length(self) -> int:
+        """Length of the sequence, completed and active tokens."""
+        return self._end_idx
+
+    @property
+    def processed_length(self) -> int:
+        """Tokens whose KV is already in the cache."""
+        return self._start_idx
+
+    @property
+    def prompt_length(self) -> int:
+        return self._prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return self._end_idx - self._prompt_len
+
+    @property
+    def next_tokens(self) -> np.ndarray:
+        return self.tokens[self._start_idx : self._active_idx]
+
+    @property
+    def all_tokens(self) -> np.ndarray:
+        return self.tokens[: self._end_idx]
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return self.tokens[: self._prompt_len]
+
+    @property
+    def generated_tokens(self) -> np.ndarray:
+        return self.tokens[self._prompt_len : self._end_idx]
+
+    @property
+    def last_generated_token(self) -> int:
+        if self._end_idx <= self._prompt_len:
+            raise ValueError("no tokens have been generated yet")
+        return int(self.tokens[self._end_idx - 1])
+
+    @property
+    def needs_ce(self) -> bool:
+        """True while more than the last token still has to be encoded (prefill)."""
+        return self._end_idx - self._start_idx > 1 or self._is_initial_prompt
+
+    @property
+    def is_initial_prompt(self) -> bool:
+        return self._is_initial_prompt
+
+    @property
+    def is_done(self) -> bool:
+        return self.status.is_done
+
+    @property
+    def min_tokens(self) -> int:
+        return self.sampling_params.min_new_tokens
+
+    def bump_token_indices(self, start_idx: int = 0, active_idx: int = 0, end_idx: int = 0) -> None:
+        self.set_token_indices(
+            self._start_idx + start_idx, self._active_idx + active_idx, self._end_idx + end_idx
+        )
+
+    def set_token_indices(
+        self,
+        start_idx: int | None = None,
+        active_idx: int | None = None,
+        end_idx: int | None = None,
+    ) -> None:
+        new_start = self._start_idx if start_idx is None else start_idx
+        new_active = self._active_idx if active_idx is None else active_idx
+        new_end = self._end_idx if end_idx is None else end_idx
+        if not 0 <= new_start <= new_active <= new_end <= self._size:
+            raise ValueError(
+                f"invalid token indices start={new_start} active={new_active} end={new_end}"
+            )
+        self._start_idx, self._active_idx, self._end_idx = new_start, new_active, new_end
+
+    def compute_num_available_steps(self, max_seq_len: int) -> int:
+        """How many tokens can still be generated before reaching max_seq_len."""
+        return max(0, min(max_seq_len, self.max_length) - self._end_idx)
+
+    # ---- generation ---------------------------------------------------------------------
+    def update(self, new_token: int, log_probabilities: LogProbabilities | None = None) -> None:
+        """Append a generated token; the tokens fed this step become completed."""
+        if self._end_idx >= self._size:
+            self._grow(CHUNK_SIZE)
+        self.tokens[self._end_idx] = new_token
+        if log_probabilities is not None:
+            self._log_probabilities_data[self._end_idx] = log_probabilities
+        self._start_idx = self._active_idx
+        self._active_idx = self._end_idx + 1
+        self._end_idx += 1
+        self._completion_end_idx += 1
+        self._is_initial_prompt = False
+        self._update_status(new_token)
+
+    def jump_ahead(self, new_token: int) -> None:
+        """Append a token that still has to be fed to the model, and return it to the user."""
+        if self._end_idx >= self._size:
+            self._grow(CHUNK_SIZE)
+        self.tokens[self._end_idx] = new_token
+        self._active_idx += 1
+        self._end_idx += 1
+        self._completion_end_idx += 1
+        self._update_status(new_token)
+
+    def _update_status(self, new_token: int) -> None:
+        params = self.sampling_params
+        if params.stop_token_ids and new_token in params.stop_token_ids:
+            self.status = GenerationStatus.END_OF_SEQUENCE
+        elif not self.ignore_eos and self._is_eos(new_token):
+            self.status = GenerationStatus.END_OF_SEQUENCE
+        elif self._end_idx >= self.max_length:
+            self.status = GenerationStatus.MAXIMUM_LENGTH
+
+    def _is_eos(self, new_token: int) -> bool:
+        if new_token in self.eos_token_ids:
+            return True
+        for seq in self.eos_sequences:
+            n = len(seq)
+            if n and self._end_idx - n >= self._prompt_len:
+                if self.tokens[self._end_idx - n : self._end_idx].tolist() == seq:
+                    return True
+        return False
+
+    def get_min_token_logit_mask(self, num_steps: int) -> list[np.ndarray]:
+        """Per step, the (row, token) pairs to mask so EOS can't be sampled before min_tokens."""
+        masks = []
+        eos = sorted(self.eos_token_ids | set(self.sampling_params.stop_token_ids or ()))
+        for step in range(num_steps):
+            generated = self.num_generated + step
+            if generated < self.min_tokens and eos:
+                masks.append(np.array([[0, t] for t in eos], dtype=np.int32))
+            else:
+                masks.append(np.zeros((0, 2), dtype=np.int32))
+        return masks
+
+    def reset(self) -> None:
+        """Fold every token into a new prompt, so the context is re-encoded from scratch.
+
+        Used on preemption: the KV blocks are freed, and the next time the context is scheduled
+        all of its tokens (prompt and generated so far) are prefilled again. Tokens already
+        returned to the user stay returned.
+        """
+        self._start_idx = 0
+        self._active_idx = self._end_idx
+        self._is_initial_prompt = True
+
+    def to_generation_output(self) -> TextGenerationOutput:
+        """The tokens generated since the last call, and the status; marks them delivered."""
+        start, end = self._completion_start_idx, self._completion_end_idx
+        tokens = self.tokens[start:end].tolist()
+        logprobs = None
+        if self._log_probabilities_data:
+            logprobs = [self._log_probabilities_data.pop(i) for i in range(start, end)
+                        if i in self._log_probabilities_data]
+        self._completion_start_idx = end
+        return TextGenerationOutput(
+            request_id=self.request_id,
+            tokens=tokens,
+            final_status=self.status,
+            log_probabilities=logprobs or None,
+        )
+
+    def _grow(self, by: int) -> None:
+        self.tokens = np.concatenate([self.tokens, np.zeros(by, dtype=self.tokens.dtype)])
+        self._size += by
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return ((n + multiple - 1) // multiple) * multiple

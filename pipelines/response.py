@@ -1,0 +1,40 @@
+"""What generation produces: per-token responses and per-step outputs."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pipelines.status import GenerationStatus
+
+
+class LogProbabilities(msgspec.Struct, array_like=True):
+    """Log probabilities for output tokens: one entry per token."""
+
+    token_log_probabilities: list[float]
+    top_log_probabilities: list[dict[int, float]]
+
+
+class TextResponse(msgspec.Struct, array_like=True):
+    """One generated token (id, or text once detokenized) and its log probabilities."""
+
+    next_token: int | str
+    log_probabilities: LogProbabilities | None = None
+
+
+class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The tokens a request produced since its previous output, and where it stands.
+
+    This is what the scheduler sends back to the API process each step (batched across
+    requests), so it is kept flat: `array_like` encodes it as a msgpack array, not a map.
+    """
+
+    request_id: str
+    tokens: list[int]
+    final_status: GenerationStatus = GenerationStatus.ACTIVE
+    log_probabilities: list[LogProbabilities] | None = None
+    # Set when final_status is ERROR: what went wrong, for the client.
+    error: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.final_status.is_done

@@ -1,0 +1,149 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, per-request block tables, and a
+prefix cache of full blocks keyed by a hash chained over the tokens (vLLM's scheme).
+
+A block whose last reference goes away returns to the free queue but keeps its hash: until it is
+handed out again (least recently freed first), a later request with the same prefix reuses it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] = ()  # the block's tokens, to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.tables: dict[str, list[int]] = {}
+        self.hashed_blocks: dict[str, int] = {}  # how many leading blocks of a request are hashed
+        self.block_hashes: dict[str, list[int]] = {}
+        # Counters for metrics.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        have = len(self.tables.get(request_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def find_cached_prefix(self, tokens: np.ndarray) -> list[int]:
+        """Blocks that already hold a prefix of `tokens`.
+
+        At least one token is always left to compute, so the step has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        full_blocks = (len(tokens) - 1) // self.block_size
+        self.prefix_queries += len(tokens)
+        found: list[int] = []
+        parent: int | None = None
+        for i in range(full_blocks):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size].tolist())
+            h = hash((parent, chunk))
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].tokens != chunk:
+                break
+            found.append(block_id)
+            parent = h
+        self.prefix_hits += len(found) * self.block_size
+        return found
+
+    def register_full_blocks(self, request_id: str, tokens: np.ndarray, num_computed: int) -> None:
+        """Offer the request's blocks that are now full of computed tokens to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[request_id]
+        hashes = self.block_hashes.setdefault(request_id, [])
+        done = self.hashed_blocks.get(request_id, 0)
+        full = min(num_computed // self.block_size, len(table))
+        for i in range(done, full):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size].tolist())
+            parent = hashes[i - 1] if i else None
+            h = hash((parent, chunk))
+            hashes.append(h)
+            block = self.blocks[table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.tokens = h, chunk
+                self.cached[h] = block.block_id
+        self.hashed_blocks[request_id] = max(done, full)
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[int] = ()) -> bool:
+        """Make the request's table cover `num_tokens` tokens; False (no change) if it can't."""
+        table = self.tables.get(request_id)
+        if table is None:
+            # Reusing a cached block that sits in the free queue takes it out of the queue.
+            reclaimed = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+            needed = max(0, -(-num_tokens // self.block_size) - len(cached_prefix))
+            if needed + reclaimed > len(self.free_queue):
+                return False
+            table = self.tables[request_id] = []
+            for block_id in cached_prefix:
+                self._take(block_id)
+                table.append(block_id)
+            if cached_prefix:
+                self.hashed_blocks[request_id] = len(cached_prefix)
+                self.block_hashes[request_id] = [self.blocks[b].hash for b in cached_prefix]
+        else:
+            needed = max(0, -(-num_tokens // self.block_size) - len(table))
+            if needed > len(self.free_queue):
+                return False
+        for _ in range(needed):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.blocks[block_id].ref_count = 1
+            table.append(block_id)
+        return True
+
+    def free(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, None)
+        self.hashed_blocks.pop(request_id, None)
+        self.block_hashes.pop(request_id, None)
+        if not table:
+            return
+        # Tail blocks first, so the queue hands them out before the shared prefix blocks.
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.tokens = None, ()

@@ -1,0 +1,184 @@
+"""The scheduler process: receives contexts, batches them into steps for the worker, and sends
+each step's new tokens back to the API process.
+
+The loop never busy-waits: when there is no work it blocks in `poll` on its sockets, and while a
+step runs on the worker it blocks until the result (or a new request, or a cancellation) arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from pipelines.context import TextContext
+from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
+from scheduler.block_manager import BlockManager
+from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from serialization.messages import (
+    CancelRequest,
+    RequestMessage,
+    ResponseBatch,
+    ResultMessage,
+    SchedulerFailed,
+    SchedulerReady,
+    Shutdown,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+)
+from serialization.sockets import Endpoints, decode_or_drop, make_socket
+
+logger = logging.getLogger("loom.scheduler")
+
+
+@dataclass
+class SchedulerProcessConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    log_level: str = "info"
+
+
+class SchedulerLoop:
+    def __init__(self, cfg: SchedulerProcessConfig, endpoints: Endpoints) -> None:
+        self.cfg = cfg
+        self.zctx = zmq.Context()
+        self.requests = make_socket(self.zctx, zmq.PULL, endpoints.requests, bind=True)
+        self.cancel = make_socket(self.zctx, zmq.PULL, endpoints.cancel, bind=True)
+        self.responses = make_socket(self.zctx, zmq.PUSH, endpoints.responses, bind=True)
+        self.steps = make_socket(self.zctx, zmq.PUSH, endpoints.steps, bind=True)
+        self.results = make_socket(self.zctx, zmq.PULL, endpoints.results, bind=True)
+        self.encode = msgpack_numpy_encoder()
+        self.decode_request = msgpack_numpy_decoder(RequestMessage)
+        self.decode_cancel = msgpack_numpy_decoder(CancelRequest)
+        self.decode_result = msgpack_numpy_decoder(ResultMessage)
+        self.poller = zmq.Poller()
+        for sock in (self.requests, self.cancel, self.results):
+            self.poller.register(sock, zmq.POLLIN)
+        self.scheduler: Scheduler | None = None
+        self.inflight: ScheduledStep | None = None
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def wait_for_worker(self) -> WorkerReady | None:
+        while True:
+            if not self.results.poll(1000):
+                if os.getppid() == 1:
+                    return None
+                continue
+            msg = decode_or_drop(self.decode_result, self.results.recv(), "results")
+            if isinstance(msg, WorkerReady):
+                return msg
+            if isinstance(msg, WorkerFailed):
+                self.responses.send(self.encode(SchedulerFailed(message=msg.message)))
+                return None
+
+    def start(self, ready: WorkerReady) -> None:
+        blocks = BlockManager(ready.num_blocks, ready.block_size, self.cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=self.cfg.max_num_seqs,
+                max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                max_model_len=ready.max_model_len,
+            ),
+            blocks,
+        )
+        self.responses.send(self.encode(SchedulerReady(
+            num_blocks=ready.num_blocks, block_size=ready.block_size,
+            max_model_len=ready.max_model_len,
+        )))
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        sched = self.scheduler
+        while True:
+            if self.inflight is None:
+                self._drain_inputs()
+                step = sched.schedule()
+                if step is not None:
+                    step.batch.sent_at = time.monotonic()
+                    self.steps.send(self.encode(step.batch), copy=False)
+                    self.inflight = step
+                    continue
+                # Idle: sleep in poll until a request or cancellation arrives.
+                self.poller.poll(1000)
+                if os.getppid() == 1:
+                    return
+                continue
+            events = dict(self.poller.poll(1000))
+            if self.requests in events or self.cancel in events:
+                self._drain_inputs()
+            if self.results in events:
+                self._drain_results()
+
+    def _drain_inputs(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                frame = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            ctx = decode_or_drop(self.decode_request, frame, "requests")
+            if isinstance(ctx, TextContext):
+                sched.add_request(ctx)
+        while True:
+            try:
+                frame = self.cancel.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = decode_or_drop(self.decode_cancel, frame, "cancel")
+            if msg is not None:
+                for request_id in msg.request_ids:
+                    sched.abort(request_id)
+
+    def _drain_results(self) -> None:
+        while True:
+            try:
+                frame = self.results.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = decode_or_drop(self.decode_result, frame, "results")
+            if isinstance(msg, StepResult):
+                self._apply_result(msg)
+
+    def _apply_result(self, result: StepResult) -> None:
+        step = self.inflight
+        if step is None or result.step_id != step.batch.step_id:
+            logger.warning("dropped a result for unexpected step %d", result.step_id)
+            return
+        self.inflight = None
+        if result.error is not None:
+            outputs = self.scheduler.fail_step(step, result.error)
+        else:
+            outputs, _stats = self.scheduler.update(step, result.sampled_token_ids)
+        if outputs:
+            self.responses.send(self.encode(ResponseBatch(outputs=outputs)))
+
+    def close(self, linger_ms: int = 0) -> None:
+        try:
+            self.steps.send(self.encode(Shutdown()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.zctx.destroy(linger=linger_ms)
+
+
+def run_scheduler(cfg: SchedulerProcessConfig, endpoints: Endpoints) -> None:
+    """Entry point of the scheduler process (spawned by `loom serve`)."""
+    die_with_parent()
+    ignore_interrupts()
+    setup_logging(cfg.log_level)
+    loop = SchedulerLoop(cfg, endpoints)
+    ready = loop.wait_for_worker()
+    if ready is None:
+        loop.close(linger_ms=1000)  # let SchedulerFailed reach the API process
+        sys.exit(1)
+    loop.start(ready)
+    try:
+        loop.run()
+    finally:
+        loop.close()

@@ -1,0 +1,223 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption.
+
+Every step has one representation for every request: how many of its tokens are fed to the
+model this step (vLLM V1's idea). A decode feeds 1, a prompt feeds as much as the token budget
+leaves, a prefix-cache hit simply starts later. Running requests are served first, oldest
+first; waiting requests are admitted in arrival order while budget, batch slots and KV blocks
+last. When blocks run out, the newest running request is preempted: its blocks are freed, its
+context `reset()`, and it goes back to the front of the queue to be re-encoded later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipelines.context import TextContext
+from pipelines.response import TextGenerationOutput
+from pipelines.status import GenerationStatus
+from scheduler.block_manager import BlockManager
+from serialization.messages import NewRequest, StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests in one step
+    max_num_batched_tokens: int = 512  # tokens in one step (the per-step token budget)
+    max_model_len: int = 8192
+
+
+@dataclass
+class ScheduledStep:
+    batch: StepBatch
+    contexts: list[TextContext]
+
+
+@dataclass
+class StepStats:
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    finished: list[TextContext] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[TextContext] = deque()
+        self.running: list[TextContext] = []
+        self.requests: dict[str, TextContext] = {}
+        self._known_to_worker: set[str] = set()
+        self._finished_since_last_step: list[str] = []
+        self._next_step_id = 0
+        self.num_preemptions = 0
+
+    # ---- request lifecycle ------------------------------------------------------------------
+    def add_request(self, ctx: TextContext) -> None:
+        if ctx.request_id in self.requests:
+            logger.warning("duplicate request id %s dropped", ctx.request_id)
+            return
+        self.requests[ctx.request_id] = ctx
+        self.waiting.append(ctx)
+
+    def abort(self, request_id: str) -> bool:
+        ctx = self.requests.get(request_id)
+        if ctx is None:
+            return False
+        ctx.status = GenerationStatus.CANCELLED
+        self._finish(ctx)
+        return True
+
+    def fail(self, ctx: TextContext) -> None:
+        ctx.status = GenerationStatus.ERROR
+        self._finish(ctx)
+
+    def _finish(self, ctx: TextContext) -> None:
+        self.requests.pop(ctx.request_id, None)
+        if ctx in self.running:
+            self.running.remove(ctx)
+        elif ctx in self.waiting:
+            self.waiting.remove(ctx)
+        self.blocks.free(ctx.request_id)
+        if ctx.request_id in self._known_to_worker:
+            self._known_to_worker.discard(ctx.request_id)
+            self._finished_since_last_step.append(ctx.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep | None:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[TextContext] = []
+        num_new: dict[str, int] = {}
+        preempted = False
+
+        # Running requests first, oldest first; preempt from the newest end when out of blocks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            ctx = self.running[i]
+            n = min(ctx.end_idx - ctx.start_idx, budget)
+            while not self.blocks.allocate(ctx.request_id, ctx.start_idx + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is ctx:
+                    break
+            if ctx not in self.running:
+                break
+            scheduled.append(ctx)
+            num_new[ctx.request_id] = n
+            budget -= n
+            i += 1
+
+        # Then waiting requests, in arrival order, while everything they need is there.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            ctx = self.waiting[0]
+            cached = []
+            if ctx.start_idx == 0:
+                cached = self.blocks.find_cached_prefix(ctx.all_tokens)
+            start = len(cached) * self.blocks.block_size if cached else ctx.start_idx
+            n = min(ctx.end_idx - start, budget)
+            if not self.blocks.allocate(ctx.request_id, start + n, cached):
+                break
+            if cached:
+                ctx.set_token_indices(start_idx=start)
+            self.waiting.popleft()
+            self.running.append(ctx)
+            scheduled.append(ctx)
+            num_new[ctx.request_id] = n
+            budget -= n
+
+        if not scheduled:
+            return None
+        return self._build_step(scheduled, num_new)
+
+    def _preempt(self, ctx: TextContext) -> None:
+        self.running.remove(ctx)
+        self.blocks.free(ctx.request_id)
+        ctx.reset()
+        self.waiting.appendleft(ctx)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens)", ctx.request_id, ctx.end_idx)
+
+    def _build_step(self, contexts: list[TextContext], num_new: dict[str, int]) -> ScheduledStep:
+        query_lens = np.empty(len(contexts), dtype=np.int32)
+        seq_lens = np.empty(len(contexts), dtype=np.int32)
+        sample = np.empty(len(contexts), dtype=bool)
+        chunks = []
+        new_requests = []
+        for i, ctx in enumerate(contexts):
+            n = num_new[ctx.request_id]
+            ctx.set_token_indices(active_idx=ctx.start_idx + n)
+            chunks.append(ctx.next_tokens)
+            query_lens[i] = n
+            seq_lens[i] = ctx.active_idx
+            sample[i] = ctx.active_idx == ctx.end_idx
+            if ctx.request_id not in self._known_to_worker:
+                self._known_to_worker.add(ctx.request_id)
+                new_requests.append(NewRequest(ctx.request_id, ctx.sampling_params))
+        tables = [self.blocks.block_table(c.request_id) for c in contexts]
+        width = max((len(t) for t in tables), default=0)
+        block_tables = np.full((len(contexts), width), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        input_ids = (np.concatenate(chunks) if chunks else np.zeros(0)).astype(np.int32)
+        batch = StepBatch(
+            step_id=self._next_step_id,
+            request_ids=[c.request_id for c in contexts],
+            input_ids=input_ids,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            sample=sample,
+            new_requests=new_requests,
+            finished_request_ids=self._finished_since_last_step,
+        )
+        self._finished_since_last_step = []
+        self._next_step_id += 1
+        return ScheduledStep(batch, contexts)
+
+    def update(self, step: ScheduledStep, sampled: np.ndarray) -> tuple[list[TextGenerationOutput], StepStats]:
+        """Apply a step's sampled tokens; returns the outputs to send to the API process."""
+        outputs: list[TextGenerationOutput] = []
+        stats = StepStats()
+        for i, ctx in enumerate(step.contexts):
+            if ctx.request_id not in self.requests:  # aborted while the step ran
+                continue
+            n = int(step.batch.query_lens[i])
+            if ctx.is_initial_prompt:
+                stats.num_prompt_tokens += n
+            if step.batch.sample[i]:
+                ctx.update(int(sampled[i]))
+                stats.num_generation_tokens += 1
+            else:
+                ctx.set_token_indices(start_idx=ctx.active_idx, active_idx=ctx.end_idx)
+            self.blocks.register_full_blocks(ctx.request_id, ctx.tokens, ctx.start_idx)
+            if ctx.end_idx >= self.config.max_model_len and not ctx.is_done:
+                ctx.status = GenerationStatus.MAXIMUM_LENGTH
+            if ctx.is_done:
+                stats.finished.append(ctx)
+                self._finish(ctx)
+            if step.batch.sample[i]:
+                outputs.append(ctx.to_generation_output())
+        return outputs, stats
+
+    def fail_step(self, step: ScheduledStep, message: str) -> list[TextGenerationOutput]:
+        """The worker could not run this step: its requests end with an error."""
+        outputs = []
+        for ctx in step.contexts:
+            if ctx.request_id in self.requests:
+                self.fail(ctx)
+                outputs.append(TextGenerationOutput(
+                    request_id=ctx.request_id, tokens=[], final_status=GenerationStatus.ERROR,
+                    error=message))
+        return outputs

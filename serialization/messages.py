@@ -1,0 +1,100 @@
+"""Every message that crosses a process boundary, in one place.
+
+Channels (all ZMQ PUSH/PULL, one direction each):
+  API -> scheduler    requests:  TextContext
+  API -> scheduler    cancel:    CancelRequest
+  scheduler -> API    responses: ResponseBatch | SchedulerReady | SchedulerFailed
+  scheduler -> worker steps:     StepBatch | Shutdown
+  worker -> scheduler results:   StepResult | WorkerReady | WorkerFailed
+
+Timestamps are `time.monotonic()` values: CLOCK_MONOTONIC is one clock for the whole host,
+so intervals between processes on one machine can be computed.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+from pipelines.context import TextContext
+from pipelines.response import TextGenerationOutput
+from pipelines.sampling_params import SamplingParams
+
+
+class CancelRequest(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class ResponseBatch(msgspec.Struct, tag=True):
+    """One step's worth of outputs for every request that produced something."""
+
+    outputs: list[TextGenerationOutput]
+
+
+class SchedulerReady(msgspec.Struct, tag=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class SchedulerFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    """Sent once, the first step a request is scheduled; the worker keeps it until finished."""
+
+    request_id: str
+    sampling_params: SamplingParams
+
+
+class StepBatch(msgspec.Struct, tag=True):
+    """One forward pass: prefill chunks and decodes together, in one flat token array.
+
+    Sequence i feeds `query_lens[i]` tokens (a slice of `input_ids`) at positions
+    `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1`; its KV lives in the blocks of
+    `block_tables[i]` (padded with -1). The worker samples a token for sequence i only
+    when `sample[i]` (a partial prefill chunk has nothing to sample yet).
+    """
+
+    step_id: int
+    request_ids: list[str]
+    input_ids: np.ndarray  # int32 [num_tokens]
+    query_lens: np.ndarray  # int32 [num_seqs]
+    seq_lens: np.ndarray  # int32 [num_seqs]
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
+    sample: np.ndarray  # bool [num_seqs]
+    new_requests: list[NewRequest] = []
+    finished_request_ids: list[str] = []
+    sent_at: float = 0.0
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class StepResult(msgspec.Struct, tag=True):
+    step_id: int
+    sampled_token_ids: np.ndarray  # int32 [num_seqs], -1 where nothing was sampled
+    started_at: float = 0.0  # worker received the step
+    finished_at: float = 0.0  # worker sent the result
+    error: str | None = None
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+class WorkerFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+RequestMessage = TextContext
+ResponseMessage = Union[ResponseBatch, SchedulerReady, SchedulerFailed]
+StepMessage = Union[StepBatch, Shutdown]
+ResultMessage = Union[StepResult, WorkerReady, WorkerFailed]

@@ -1,0 +1,127 @@
+"""Attention over the paged KV cache for one mixed step (prefill chunks + decodes).
+
+The KV cache of a layer is a tensor [num_blocks, block_size, num_kv_heads, head_dim] for K and
+one for V. Each step the new tokens' K/V are written into their slots, then every sequence
+attends over its blocks, gathered through its block table. Sequences are handled in two
+batched groups, never one at a time: decodes (one query token each) and prefill chunks (padded
+to the longest chunk). The metadata is built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together: queries padded to [B, max_q], keys to [B, L]."""
+
+    query_index: torch.Tensor  # [B, max_q] rows of the step's flat token array (padding: 0)
+    query_valid: torch.Tensor  # [B, max_q] bool
+    valid_rows: torch.Tensor  # [n] flat rows, the valid entries of query_index in order
+    block_tables: torch.Tensor  # [B, num_blocks] (padding: block 0, masked out)
+    mask: torch.Tensor  # [B, 1, max_q, L] bool, True where the query may attend
+    single_query: bool  # every sequence has exactly one query token (decode)
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat slot of each token's K/V
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int
+) -> AttentionMetadata:
+    query_lens = query_lens.astype(np.int64)
+    seq_lens = seq_lens.astype(np.int64)
+    starts = seq_lens - query_lens
+    total = int(query_lens.sum())
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    token_offsets = np.arange(total) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+    positions = starts[seq_of_token] + token_offsets
+    tables = block_tables.astype(np.int64)
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    first_row = np.cumsum(query_lens) - query_lens
+    groups = []
+    decode = np.flatnonzero(query_lens == 1)
+    prefill = np.flatnonzero(query_lens > 1)
+    for members in (decode, prefill):
+        if len(members):
+            groups.append(
+                _build_group(members, query_lens, seq_lens, first_row, tables, block_size)
+            )
+    return AttentionMetadata(
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        groups=groups,
+    )
+
+
+def _build_group(members, query_lens, seq_lens, first_row, tables, block_size) -> AttentionGroup:
+    q_lens = query_lens[members]
+    s_lens = seq_lens[members]
+    max_q = int(q_lens.max())
+    num_blocks = int((s_lens.max() + block_size - 1) // block_size)
+    kv_len = num_blocks * block_size
+
+    offsets = np.arange(max_q)
+    valid = offsets[None, :] < q_lens[:, None]
+    index = np.where(valid, first_row[members][:, None] + offsets[None, :], 0)
+
+    # Query t of a sequence sits at position (seq_len - q_len + t) and sees keys up to it.
+    q_pos = (s_lens - q_lens)[:, None] + offsets[None, :]
+    key_pos = np.arange(kv_len)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    # Padded query rows attend to key 0 so their softmax stays finite; they are discarded.
+    mask[~valid] = False
+    mask[..., 0] |= ~valid
+    table = tables[members, :num_blocks]
+    table = np.where(table < 0, 0, table)
+    return AttentionGroup(
+        query_index=torch.from_numpy(index),
+        query_valid=torch.from_numpy(valid),
+        valid_rows=torch.from_numpy(index[valid]),
+        block_tables=torch.from_numpy(np.ascontiguousarray(table)),
+        mask=torch.from_numpy(mask[:, None, :, :]),
+        single_query=max_q == 1,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        batch = group.block_tables.shape[0]
+        keys = k_cache[group.block_tables].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[group.block_tables].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        if group.single_query:
+            queries = q[group.valid_rows].unsqueeze(2)  # [B, H, 1, D]
+        else:
+            queries = q[group.query_index].transpose(1, 2)  # [B, H, max_q, D]
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=group.mask, scale=scale,
+            enable_gqa=kv_heads != q.shape[1],
+        )
+        if group.single_query:
+            out[group.valid_rows] = attended.squeeze(2)
+        else:
+            out[group.valid_rows] = attended.transpose(1, 2)[group.query_valid]
+    return out

@@ -1,0 +1,147 @@
+"""The parts of a Hugging Face config.json that the Llama-family forward pass needs."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+# Architectures that share our Llama-family implementation, with what sets them apart.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"attention_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    sliding_window: int | None
+    torch_dtype: str | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across all layers, per byte of element size."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+@dataclass
+class RunnerConfig:
+    model_dir: str
+    dtype: str = "float32"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    kv_cache_memory: int | None = None  # bytes; None = derived from free RAM
+
+
+def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
+    limit = config.max_position_embeddings
+    if config.sliding_window:  # we attend over the full context: stay inside the window
+        limit = min(limit, config.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's limit of {limit}")
+    return requested
+
+
+def load_model_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    return model_config_from_dict(raw, _generation_eos(model_dir))
+
+
+def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None) -> ModelConfig:
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else _architecture_from_model_type(raw.get("model_type", ""))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}"
+        )
+    traits = SUPPORTED_ARCHITECTURES[arch]
+    heads = raw["num_attention_heads"]
+    hidden = raw["hidden_size"]
+    rope = raw.get("rope_parameters") or {}
+    rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_scaling = raw.get("rope_scaling")
+    if rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+        rope_scaling = None
+    sliding = raw.get("sliding_window")
+    if arch.startswith("Qwen") and not raw.get("use_sliding_window", False):
+        sliding = None
+    eos = generation_eos if generation_eos else _as_list(raw.get("eos_token_id"))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", traits.get("attention_bias", False))),
+        qk_norm=traits.get("qk_norm", False),
+        hidden_act=raw.get("hidden_act", "silu"),
+        sliding_window=sliding,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        eos_token_ids=eos,
+        bos_token_id=raw.get("bos_token_id"),
+    )
+
+
+def _architecture_from_model_type(model_type: str) -> str:
+    return {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }.get(model_type, "")
+
+
+def _generation_eos(model_dir: str) -> list[int]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return _as_list(json.load(f).get("eos_token_id"))
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

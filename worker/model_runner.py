@@ -1,0 +1,98 @@
+"""ModelRunner: weights + KV cache + sampling state; executes one StepBatch at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from serialization.messages import StepBatch
+from worker.attention import build_attention_metadata
+from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
+from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
+from worker.models.llama import LlamaForCausalLM
+from worker.sampler import RequestSamplingState, sample
+from worker.weights import load_checkpoint_weights
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig) -> None:
+        started = time.monotonic()
+        self.cfg = cfg
+        self.config = load_model_config(cfg.model_dir)
+        self.dtype = DTYPES[cfg.dtype]
+        self.block_size = cfg.block_size
+        self.max_model_len = resolve_max_model_len(self.config, cfg.max_model_len)
+        self.model = _build_model(self.config, self.max_model_len, self.dtype, cfg.model_dir)
+        self.num_blocks = estimate_kv_cache_size(
+            self.config, self.dtype, cfg.block_size, self.max_model_len,
+            cfg.max_num_seqs, cfg.kv_cache_memory,
+        )
+        if self.num_blocks * cfg.block_size < self.max_model_len:
+            need = -(-self.max_model_len // cfg.block_size) * bytes_per_block(
+                self.config, self.dtype, cfg.block_size)
+            raise MemoryError(
+                f"the KV cache holds {self.num_blocks * cfg.block_size} tokens, fewer than one "
+                f"full-length sequence ({self.max_model_len}); give it at least {need} bytes "
+                f"(--kv-cache-memory) or lower --max-model-len"
+            )
+        self.kv_cache = allocate_kv_cache(self.config, self.dtype, self.num_blocks, cfg.block_size)
+        self.requests: dict[str, RequestSamplingState] = {}
+        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        logger.info(
+            "model %s (%s, %s) loaded in %.1fs; KV cache %.2f GiB = %d blocks x %d = %d tokens",
+            cfg.model_dir, self.config.architecture, cfg.dtype, time.monotonic() - started,
+            kv_bytes / (1 << 30), self.num_blocks, cfg.block_size,
+            self.num_blocks * cfg.block_size,
+        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.config.eos_token_ids
+
+    def execute(self, step: StepBatch) -> np.ndarray:
+        """Run the step's forward pass; returns the sampled token per sequence (-1: none)."""
+        for new in step.new_requests:
+            self.requests[new.request_id] = RequestSamplingState.create(new.sampling_params)
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+
+        num_seqs = len(step.request_ids)
+        sampled = np.full(num_seqs, -1, dtype=np.int32)
+        if num_seqs == 0:
+            return sampled
+        meta = build_attention_metadata(
+            step.query_lens, step.seq_lens, step.block_tables, self.block_size
+        )
+        sample_seqs = np.flatnonzero(step.sample)
+        last_rows = np.cumsum(step.query_lens.astype(np.int64)) - 1
+        logits_rows = torch.from_numpy(last_rows[sample_seqs])
+        input_ids = torch.from_numpy(step.input_ids.astype(np.int64))
+        with torch.inference_mode():
+            logits = self.model(input_ids, meta, self.kv_cache, logits_rows)
+            if len(sample_seqs):
+                states = [self.requests[step.request_ids[i]] for i in sample_seqs]
+                sampled[sample_seqs] = sample(logits, states).numpy()
+        return sampled
+
+
+def _build_model(
+    config: ModelConfig, max_positions: int, dtype: torch.dtype, model_dir: str
+) -> LlamaForCausalLM:
+    # Built on the meta device so no time is spent initialising weights we overwrite.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(config, max_positions)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_hf_weights(load_checkpoint_weights(model_dir))
+    model.to(dtype)
+    model.eval()
+    return model

@@ -1,0 +1,203 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
+
+Every step runs one forward over a flat array of tokens from many sequences; linear layers see
+all of them at once, attention goes through `paged_attention`. Q/K/V and gate/up projections are
+fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionMetadata, paged_attention
+from worker.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As Hugging Face does: normalise in float32, scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables; `forward` looks them up by position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/sin: [T, D] (rotate-half convention of Hugging Face Llama)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.view(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
+        logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        x = self.norm(x[logits_rows])
+        return self.lm_head(x).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face state dict in, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            param = own[name]
+            if param.shape != value.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(value)
+            loaded.add(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing {name}")
+            return weights[name]
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if not self.config.tie_word_embeddings:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(self.config.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
+            attn = src + "self_attn."
+            qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
+            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            if self.config.attention_bias:
+                bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
+                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias, dim=0))
+            put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
+            if self.config.qk_norm:
+                put(f"{dst}self_attn.q_norm.weight", take(f"{attn}q_norm.weight"))
+                put(f"{dst}self_attn.k_norm.weight", take(f"{attn}k_norm.weight"))
+            mlp = src + "mlp."
+            gate_up = torch.cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")], 0)
+            put(f"{dst}mlp.gate_up_proj.weight", gate_up)
+            put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
+        missing = set(own) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        if missing:
+            raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")

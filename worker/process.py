@@ -1,0 +1,80 @@
+"""The worker process: owns the model and KV cache, runs each StepBatch it receives."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import traceback
+
+import zmq
+
+from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
+from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from serialization.messages import (
+    Shutdown,
+    StepMessage,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+)
+from serialization.sockets import Endpoints, decode_or_drop, make_socket
+
+logger = logging.getLogger("loom.worker")
+
+
+def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level: str) -> None:
+    """Entry point of the worker process (spawned by `loom serve`)."""
+    die_with_parent()
+    ignore_interrupts()
+    setup_logging(log_level)
+    import torch
+
+    torch.set_num_threads(num_threads)
+    zctx = zmq.Context()
+    steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False)
+    results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)
+    encode = msgpack_numpy_encoder()
+    decode = msgpack_numpy_decoder(StepMessage, copy=False)
+
+    from worker.model_runner import ModelRunner
+
+    try:
+        runner = ModelRunner(runner_config)
+    except Exception as exc:  # reported to the user as one line by `loom serve`
+        logger.debug("model load failed", exc_info=True)
+        results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}")))
+        time.sleep(0.5)  # let the message leave before the process exits
+        sys.exit(1)
+    results.send(encode(WorkerReady(
+        num_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        eos_token_ids=runner.eos_token_ids,
+    )))
+
+    while True:
+        frame = steps.recv(copy=False)
+        started = time.monotonic()
+        msg = decode_or_drop(decode, frame.buffer, "steps")
+        if msg is None:
+            continue
+        if isinstance(msg, Shutdown):
+            break
+        try:
+            sampled = runner.execute(msg)
+            result = StepResult(step_id=msg.step_id, sampled_token_ids=sampled,
+                                started_at=started, finished_at=time.monotonic())
+        except Exception as exc:
+            logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
+            result = StepResult(step_id=msg.step_id, sampled_token_ids=sampled_none(msg),
+                                started_at=started, finished_at=time.monotonic(),
+                                error=f"{type(exc).__name__}: {exc}")
+        results.send(encode(result))
+    zctx.destroy(linger=0)
+
+
+def sampled_none(step):
+    import numpy as np
+
+    return np.full(len(step.request_ids), -1, dtype=np.int32)

@@ -1,0 +1,68 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, each request with its own RNG.
+
+A request's random draws come from its own `torch.Generator`, seeded with its `seed`, so the
+same seed gives the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipelines.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestSamplingState:
+    params: SamplingParams
+    generator: torch.Generator
+
+    @classmethod
+    def create(cls, params: SamplingParams) -> "RequestSamplingState":
+        generator = torch.Generator()
+        generator.manual_seed(params.seed)
+        return cls(params, generator)
+
+
+def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+    """One token per row of `logits` [B, V] (float32); returns int64 [B]."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        tokens[rows] = _sample_random(logits[rows], [states[i] for i in random_rows])
+    return tokens
+
+
+def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+    params = [s.params for s in states]
+    vocab = logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    needs_filter = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    if not needs_filter:
+        probs = logits.softmax(dim=-1)
+        return _exponential_race(probs, states)
+
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    outside_p = (probs.cumsum(dim=-1) - probs) >= top_p
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    below_min_p = probs < min_p * probs[:, :1]
+    probs = probs.masked_fill(outside_p | below_min_p, 0.0)
+    choice = _exponential_race(probs, states)
+    return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _exponential_race(probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) draws a token with probability p (no renormalising)."""
+    noise = torch.empty_like(probs)
+    for i, state in enumerate(states):
+        noise[i].exponential_(generator=state.generator)
+    return (probs / noise).argmax(dim=-1)
