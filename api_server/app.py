@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_server.engine_client import EngineClient
+from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.protocol import RequestError
 
@@ -19,7 +20,7 @@ logger = logging.getLogger("loom.api")
 VERSION = "0.1.0"
 
 
-def build_app(engine: EngineClient, routes: OpenAIRoutes) -> Starlette:
+def build_app(engine: EngineClient, routes: OpenAIRoutes, metrics: Metrics) -> Starlette:
     async def health(request: Request) -> Response:
         if engine.is_healthy:
             return json_response({"status": "ok"})
@@ -40,6 +41,7 @@ def build_app(engine: EngineClient, routes: OpenAIRoutes) -> Starlette:
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/version", version, methods=["GET"]),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),

@@ -31,7 +31,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints) -> None:
+    def __init__(self, endpoints: Endpoints, on_stats=None) -> None:
         self.zctx = zmq.asyncio.Context()
         self.requests = make_socket(self.zctx, zmq.PUSH, endpoints.requests, bind=False)
         self.cancel_sock = make_socket(self.zctx, zmq.PUSH, endpoints.cancel, bind=False)
@@ -43,6 +43,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         self._ready_event = asyncio.Event()
         self._reader: asyncio.Task | None = None
+        self._on_stats = on_stats
 
     @property
     def is_healthy(self) -> bool:
@@ -67,6 +68,8 @@ class EngineClient:
             frame = await self.responses.recv()
             msg = decode_or_drop(self.decode, frame, "responses")
             if isinstance(msg, ResponseBatch):
+                if msg.stats is not None and self._on_stats is not None:
+                    self._on_stats(msg.stats)
                 for output in msg.outputs:
                     queue = self.streams.get(output.request_id)
                     if queue is not None:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ import uvicorn
 
 from api_server.app import build_app
 from api_server.engine_client import EngineClient, EngineDeadError
+from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
 from api_server.tokenizer import TextTokenizer
 from scheduler.process import SchedulerProcessConfig, run_scheduler
@@ -124,9 +124,7 @@ class Launcher:
 
     async def watch_children(self, engine: EngineClient, server: uvicorn.Server) -> None:
         """Wait for any child to exit; then fail everything in flight and shut down."""
-        loop = asyncio.get_running_loop()
-        sentinels = [c.sentinel for c in self.children]
-        await loop.run_in_executor(None, multiprocessing.connection.wait, sentinels)
+        await _any_exited(self.children)
         if server.should_exit:
             return
         if engine.ready is None:
@@ -152,14 +150,15 @@ class Launcher:
 
     async def serve(self, listen_socket: socket.socket) -> int:
         cfg = self.cfg
-        engine = EngineClient(self.endpoints)
+        metrics = Metrics(cfg.served_model_name)
+        engine = EngineClient(self.endpoints, on_stats=metrics.observe_scheduler)
         engine.start()
         model_config = load_model_config(cfg.model_dir)
         max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
         tokenizer = TextTokenizer(cfg.model_dir, max_model_len, model_config.eos_token_ids)
         routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name,
                               {cfg.model_dir}, max_model_len)
-        app = build_app(engine, routes)
+        app = build_app(engine, routes, metrics)
         server = _Server(uvicorn.Config(
             app, log_level=cfg.log_level, access_log=cfg.log_level == "debug",
             timeout_graceful_shutdown=cfg.shutdown_timeout, lifespan="off",
@@ -189,6 +188,19 @@ class Launcher:
         if watcher in done:
             raise StartupError(engine.dead_reason or "a child process died during start-up")
         raise StartupError(f"the engine did not become ready in {self.cfg.startup_timeout:.0f}s")
+
+
+async def _any_exited(children: list[multiprocessing.Process]) -> None:
+    """Wait, without a thread, until one of the children exits (its sentinel fd is readable)."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    for child in children:
+        loop.add_reader(child.sentinel, lambda: exited.done() or exited.set_result(None))
+    try:
+        await exited
+    finally:
+        for child in children:
+            loop.remove_reader(child.sentinel)
 
 
 def serve(cfg: ServeConfig) -> int:

@@ -34,7 +34,9 @@ def _new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq=False):
+    # eq=False: a context is one request's mutable state; two are equal only if they are the same.
+
     max_length: int
     tokens: np.ndarray
     request_id: str = msgspec.field(default_factory=_new_request_id)

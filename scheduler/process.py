@@ -63,6 +63,7 @@ class SchedulerLoop:
             self.poller.register(sock, zmq.POLLIN)
         self.scheduler: Scheduler | None = None
         self.inflight: ScheduledStep | None = None
+        self._last_stats = None
 
     # ---- start-up ---------------------------------------------------------------------------
     def wait_for_worker(self) -> WorkerReady | None:
@@ -105,7 +106,9 @@ class SchedulerLoop:
                     self.steps.send(self.encode(step.batch), copy=False)
                     self.inflight = step
                     continue
-                # Idle: sleep in poll until a request or cancellation arrives.
+                # Idle: report the final state once, then sleep in poll until a request or
+                # cancellation arrives.
+                self._send_outputs([])
                 self.poller.poll(1000)
                 if os.getppid() == 1:
                     return
@@ -156,8 +159,13 @@ class SchedulerLoop:
             outputs = self.scheduler.fail_step(step, result.error)
         else:
             outputs, _stats = self.scheduler.update(step, result.sampled_token_ids)
-        if outputs:
-            self.responses.send(self.encode(ResponseBatch(outputs=outputs)))
+        self._send_outputs(outputs)
+
+    def _send_outputs(self, outputs: list) -> None:
+        stats = self.scheduler.stats()
+        if outputs or stats != self._last_stats:
+            self.responses.send(self.encode(ResponseBatch(outputs=outputs, stats=stats)))
+            self._last_stats = stats
 
     def close(self, linger_ms: int = 0) -> None:
         try:

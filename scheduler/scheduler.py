@@ -20,7 +20,7 @@ from pipelines.context import TextContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from scheduler.block_manager import BlockManager
-from serialization.messages import NewRequest, StepBatch
+from serialization.messages import NewRequest, SchedulerStats, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._next_step_id = 0
         self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     # ---- request lifecycle ------------------------------------------------------------------
     def add_request(self, ctx: TextContext) -> None:
@@ -209,7 +211,21 @@ class Scheduler:
                 self._finish(ctx)
             if step.batch.sample[i]:
                 outputs.append(ctx.to_generation_output())
+        self.prompt_tokens_total += stats.num_prompt_tokens
+        self.generation_tokens_total += stats.num_generation_tokens
         return outputs, stats
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.blocks.usage,
+            num_preemptions_total=self.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries_total=self.blocks.prefix_queries,
+            prefix_cache_hits_total=self.blocks.prefix_hits,
+        )
 
     def fail_step(self, step: ScheduledStep, message: str) -> list[TextGenerationOutput]:
         """The worker could not run this step: its requests end with an error."""

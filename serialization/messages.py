@@ -27,10 +27,24 @@ class CancelRequest(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The scheduler's gauges and running totals, attached to every ResponseBatch."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+
+
 class ResponseBatch(msgspec.Struct, tag=True):
     """One step's worth of outputs for every request that produced something."""
 
     outputs: list[TextGenerationOutput]
+    stats: SchedulerStats | None = None
 
 
 class SchedulerReady(msgspec.Struct, tag=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 
 import torch
 
@@ -64,9 +65,18 @@ def allocate_kv_cache(
 
     Zeroed, not empty: attention reads whole blocks and masks the unused slots, and a masked
     slot holding a NaN bit pattern would still poison the weighted sum (0 * NaN = NaN).
+    The memory is an anonymous mmap, which the kernel zero-fills page by page on first touch:
+    torch.zeros would write every page up front (7.5 s for 4 GiB here) and start-up would wait.
     """
     shape = (
         config.num_hidden_layers, 2, num_blocks, block_size,
         config.num_key_value_heads, config.head_dim,
     )
-    return torch.zeros(shape, dtype=dtype)
+    element = torch.tensor([], dtype=dtype).element_size()
+    nbytes = element
+    for dim in shape:
+        nbytes *= dim
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    cache = torch.frombuffer(buffer, dtype=dtype).view(shape)
+    cache._loom_buffer = buffer  # the tensor does not own the mapping: keep it alive with it
+    return cache

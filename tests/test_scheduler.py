@@ -1,0 +1,125 @@
+"""Scheduling policy, driven without processes: a fake model returns token 1000+step."""
+
+import numpy as np
+
+from pipelines import GenerationStatus, SamplingParams, TextContext
+from scheduler.block_manager import BlockManager
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256, prefix=True):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=max_len),
+                     BlockManager(num_blocks, block_size, prefix))
+
+
+def ctx(n, max_new, start=0, rid=None):
+    kw = {"request_id": rid} if rid else {}
+    return TextContext(max_length=n + max_new, tokens=np.arange(start + 3, start + 3 + n),
+                       eos_token_ids={2}, sampling_params=SamplingParams(), **kw)
+
+
+def run_step(s):
+    step = s.schedule()
+    if step is None:
+        return None, []
+    sampled = np.where(step.batch.sample, 1000 + step.batch.step_id, -1).astype(np.int32)
+    outputs, _ = s.update(step, sampled)
+    return step, outputs
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running():
+    s = make_scheduler(budget=8)
+    short = ctx(3, 20, rid="short")
+    s.add_request(short)
+    run_step(s)  # short prefilled, sampled its first token
+    long = ctx(20, 5, start=100, rid="long")
+    s.add_request(long)
+    seen = []
+    for _ in range(4):
+        step, _ = run_step(s)
+        seen.append(dict(zip(step.batch.request_ids, step.batch.query_lens.tolist())))
+    # Every step: the decode (1 token) plus a prefill chunk filling the rest of the budget.
+    assert seen[0] == {"short": 1, "long": 7}
+    assert seen[1] == {"short": 1, "long": 7}
+    assert seen[2] == {"short": 1, "long": 6}  # last chunk: long samples its first token
+    assert seen[3] == {"short": 1, "long": 1}
+    assert long.generated_tokens.tolist() == [1003, 1004]
+    assert long.prompt_tokens.tolist() == list(range(103, 123))
+
+
+def test_step_tensors_describe_positions_and_blocks():
+    s = make_scheduler(budget=64, block_size=4)
+    a = ctx(6, 4, rid="a")
+    s.add_request(a)
+    step, _ = run_step(s)
+    b = step.batch
+    assert b.input_ids.tolist() == a.prompt_tokens.tolist()
+    assert b.query_lens.tolist() == [6] and b.seq_lens.tolist() == [6] and b.sample.tolist() == [True]
+    assert b.block_tables.shape == (1, 2) and len(b.new_requests) == 1
+    step, _ = run_step(s)
+    assert step.batch.input_ids.tolist() == [1000] and step.batch.seq_lens.tolist() == [7]
+    assert step.batch.new_requests == []
+
+
+def test_finish_on_max_tokens_frees_blocks_and_tells_worker():
+    s = make_scheduler()
+    a = ctx(5, 3, rid="a")
+    s.add_request(a)
+    outs = []
+    for _ in range(3):
+        outs += run_step(s)[1]
+    assert [o.tokens for o in outs] == [[1000], [1001], [1002]]
+    assert outs[-1].final_status is GenerationStatus.MAXIMUM_LENGTH
+    assert not s.has_work and s.blocks.num_free_blocks == s.blocks.num_blocks
+    s.add_request(ctx(5, 3, rid="b"))
+    step, _ = run_step(s)
+    assert step.batch.finished_request_ids == ["a"]
+
+
+def test_max_num_seqs_and_budget_bound_each_step():
+    s = make_scheduler(budget=12, max_seqs=3)
+    for i in range(6):
+        s.add_request(ctx(4, 10, start=10 * i, rid=f"r{i}"))
+    step, _ = run_step(s)
+    assert len(step.batch.request_ids) == 3 and step.batch.query_lens.sum() <= 12
+    step, _ = run_step(s)
+    assert len(step.batch.request_ids) == 3
+
+
+def test_preemption_when_blocks_run_out_then_recompute():
+    # 6 blocks of 4 tokens; two requests each growing to 12 tokens need 3+3 blocks at the end,
+    # three need 9: the newest gets preempted, later resumes, and everything finishes.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    reqs = [ctx(4, 8, start=10 * i, rid=f"r{i}") for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(200):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert s.num_preemptions > 0
+    assert all(r.status is GenerationStatus.MAXIMUM_LENGTH for r in reqs)
+    assert all(len(r.generated_tokens) == 8 for r in reqs)
+    assert s.blocks.num_free_blocks == 6
+
+
+def test_abort_frees_blocks_immediately():
+    s = make_scheduler()
+    s.add_request(ctx(10, 50, rid="a"))
+    run_step(s)
+    assert s.blocks.num_free_blocks < s.blocks.num_blocks
+    assert s.abort("a")
+    assert not s.has_work and s.blocks.num_free_blocks == s.blocks.num_blocks
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    s = make_scheduler(budget=64, block_size=4)
+    s.add_request(ctx(13, 1, rid="a"))
+    run_step(s)
+    b = ctx(13, 1, rid="b")
+    s.add_request(b)
+    step, _ = run_step(s)
+    # 12 of 13 tokens were cached (3 full blocks): only the last one is fed.
+    assert step.batch.query_lens.tolist() == [1] and step.batch.seq_lens.tolist() == [13]
+    assert s.blocks.prefix_hits == 12
