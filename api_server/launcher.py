@@ -204,7 +204,11 @@ async def _any_exited(children: list[multiprocessing.Process]) -> None:
 
 
 def serve(cfg: ServeConfig) -> int:
-    listen_socket = bind_listen_socket(cfg.host, cfg.port)
+    try:
+        listen_socket = bind_listen_socket(cfg.host, cfg.port)
+    except StartupError as exc:
+        print(f"loom: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     launcher = Launcher(cfg)
     try:
         launcher.start_children()

@@ -1,0 +1,75 @@
+"""The command line: documented flags, one-line start-up errors, dying children."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from tests.helpers import ROOT, pid_alive, start_server
+
+LOOM = [sys.executable, "-m", "api_server.cli"]
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def run(*args, timeout=60):
+    return subprocess.run(LOOM + list(args), capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=ENV)
+
+
+def test_help_documents_every_flag():
+    out = run("serve", "--help").stdout
+    for flag in ("--host", "--port", "--model", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--kv-cache-memory", "--log-level", "--dtype", "--max-model-len",
+                 "--served-model-name", "--block-size", "--no-prefix-caching"):
+        assert flag in out
+
+
+def test_wrong_model_path_is_one_clear_line(tmp_path):
+    r = run("serve", "--model", str(tmp_path / "missing"), timeout=30)
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and "no such directory" in r.stderr
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    r = run("serve", "--model", str(tmp_path), timeout=30)
+    assert r.returncode == 1 and "unsupported architecture" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_port_in_use(tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        started = time.monotonic()
+        r = run("serve", "--model", tiny_model_dir, "--port", str(port), timeout=30)
+    assert r.returncode == 1 and "cannot listen" in r.stderr
+    assert time.monotonic() - started < 15
+    assert "Traceback" not in r.stderr
+
+
+def test_too_little_kv_cache_memory(tiny_model_dir):
+    r = run("serve", "--model", tiny_model_dir, "--kv-cache-memory", "1KiB", timeout=60)
+    assert r.returncode == 1 and "KV cache" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_dead_worker_makes_the_server_exit_nonzero(tiny_model_dir):
+    srv = start_server(tiny_model_dir)
+    # Kill the worker (the child that owns the model): the server must notice and exit.
+    os.kill(_worker_pid(srv.children), signal.SIGKILL)
+    code = srv.proc.wait(timeout=20)
+    assert code != 0
+    assert "died" in srv.log()
+    assert not any(pid_alive(p) for p in srv.children)
+
+
+def _worker_pid(children):
+    """The worker is the child with the most memory (it holds the weights)."""
+    def rss(pid):
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1])
+    return max((p for p in children if pid_alive(p)), key=rss)

@@ -1,0 +1,152 @@
+"""Greedy output through the HTTP API equals transformers' generate() on the same weights
+(SmolLM2-135M-Instruct, float32): alone, concurrently, chunk-prefilled, and under preemption."""
+
+import asyncio
+import re
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers import hf_greedy, start_server
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a Python function that reverses a string:\n",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Q: What is 12 times 12?\nA:",
+    "List of planets in the solar system: Mercury,",
+    "My favourite recipe for pancakes starts with",
+    "The French word for cat is",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2_dir):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    expected = {}
+    for p in PROMPTS:
+        ids = hf_greedy(model, tok, tok(p)["input_ids"], MAX_TOKENS)
+        finish = "stop" if ids[-1] == tok.eos_token_id else "length"
+        expected[p] = (tok.decode(ids, skip_special_tokens=True), len(ids), finish)
+    return expected
+
+
+async def complete(client, url, prompt):
+    r = await client.post(url + "/v1/completions", json={
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    c = body["choices"][0]
+    return c["text"], body["usage"]["completion_tokens"], c["finish_reason"]
+
+
+def check_all(url, oracle, concurrent):
+    async def go():
+        async with httpx.AsyncClient() as client:
+            if concurrent:
+                return await asyncio.gather(*(complete(client, url, p) for p in PROMPTS))
+            return [await complete(client, url, p) for p in PROMPTS]
+
+    results = asyncio.run(go())
+    for p, got in zip(PROMPTS, results):
+        assert got == oracle[p], p
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    srv = start_server(smollm2_dir)
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_alone(server, oracle):
+    check_all(server.url, oracle, concurrent=False)
+
+
+def test_concurrent_requests_share_batches(server, oracle):
+    check_all(server.url, oracle, concurrent=True)
+
+
+def test_chunked_prefill(smollm2_dir, oracle):
+    srv = start_server(smollm2_dir, "--max-num-batched-tokens", "5")
+    try:
+        check_all(srv.url, oracle, concurrent=True)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_preemption_under_a_small_kv_cache(smollm2_dir, oracle):
+    # 8 requests of ~10-token prompts + 24 new tokens need ~270 tokens of KV at once; the cache
+    # holds 8 blocks x 16 = 128 tokens, so requests are preempted and recomputed.
+    kv_bytes = 8 * 16 * 2 * 30 * 3 * 64 * 4
+    srv = start_server(smollm2_dir, "--max-model-len", "128", "--kv-cache-memory", str(kv_bytes))
+    try:
+        check_all(srv.url, oracle, concurrent=True)
+        metrics = httpx.get(srv.url + "/metrics").text
+        preemptions = float(re.search(r"^loom:num_preemptions_total\{.*\} (\S+)$", metrics,
+                                      re.M).group(1))
+        assert preemptions > 0
+        usage = float(re.search(r"^loom:kv_cache_usage_perc\{.*\} (\S+)$", metrics, re.M).group(1))
+        assert usage == 0.0
+    finally:
+        assert srv.stop() == 0
+
+
+def test_chat_answers_paris(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0, "max_tokens": 40}, timeout=60)
+    assert r.status_code == 200
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["prompt_tokens"] > 10
+
+
+def sse_texts(url, path, body):
+    deltas = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    import json
+
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    for c in chunks:
+        for choice in c["choices"]:
+            deltas.append(choice.get("text") if "text" in choice else
+                          choice["delta"].get("content") or "")
+    return deltas, chunks
+
+
+@pytest.mark.parametrize("content", [
+    "Repeat exactly: 日本語のテキスト、中文字符、한국어 🚀🔥 ünïcödé",
+    "Write three emojis and the Greek alphabet.",
+])
+def test_streamed_chat_equals_non_streamed(server, content):
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 48}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    text = whole["choices"][0]["message"]["content"]
+    deltas, chunks = sse_texts(server.url, "/v1/chat/completions", body)
+    assert "".join(deltas) == text
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    if "\ufffd" not in text:
+        assert all("\ufffd" not in d for d in deltas)
+
+
+def test_streamed_completion_with_usage(server, oracle):
+    prompt = PROMPTS[2]
+    deltas, chunks = sse_texts(server.url, "/v1/completions", {
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "stream_options": {"include_usage": True}})
+    assert "".join(deltas) == oracle[prompt][0]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == oracle[prompt][1]
