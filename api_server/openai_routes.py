@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from api_server.engine_client import EngineClient, EngineDeadError
 from api_server.generation import ChoiceDelta, GenerationError, merge_choices, stream_choice

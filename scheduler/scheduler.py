@@ -20,6 +20,7 @@ from pipelines.context import TextContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from scheduler.block_manager import BlockManager
+from scheduler.step_builder import build_step_batch
 from serialization.messages import NewRequest, SchedulerStats, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -152,37 +153,18 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens)", ctx.request_id, ctx.end_idx)
 
     def _build_step(self, contexts: list[TextContext], num_new: dict[str, int]) -> ScheduledStep:
-        query_lens = np.empty(len(contexts), dtype=np.int32)
-        seq_lens = np.empty(len(contexts), dtype=np.int32)
-        sample = np.empty(len(contexts), dtype=bool)
-        chunks = []
         new_requests = []
-        for i, ctx in enumerate(contexts):
-            n = num_new[ctx.request_id]
-            ctx.set_token_indices(active_idx=ctx.start_idx + n)
-            chunks.append(ctx.next_tokens)
-            query_lens[i] = n
-            seq_lens[i] = ctx.active_idx
-            sample[i] = ctx.active_idx == ctx.end_idx
+        for ctx in contexts:
             if ctx.request_id not in self._known_to_worker:
                 self._known_to_worker.add(ctx.request_id)
                 new_requests.append(NewRequest(ctx.request_id, ctx.sampling_params))
-        tables = [self.blocks.block_table(c.request_id) for c in contexts]
-        width = max((len(t) for t in tables), default=0)
-        block_tables = np.full((len(contexts), width), -1, dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        input_ids = (np.concatenate(chunks) if chunks else np.zeros(0)).astype(np.int32)
-        batch = StepBatch(
-            step_id=self._next_step_id,
-            request_ids=[c.request_id for c in contexts],
-            input_ids=input_ids,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            sample=sample,
-            new_requests=new_requests,
-            finished_request_ids=self._finished_since_last_step,
+        batch = build_step_batch(
+            self._next_step_id,
+            contexts,
+            [num_new[c.request_id] for c in contexts],
+            [self.blocks.block_table(c.request_id) for c in contexts],
+            new_requests,
+            self._finished_since_last_step,
         )
         self._finished_since_last_step = []
         self._next_step_id += 1
