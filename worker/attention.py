@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.decode_attention import native_decode_available, paged_decode_attention
+
 
 @dataclass
 class AttentionGroup:
@@ -26,6 +28,8 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [B, num_blocks] (padding: block 0, masked out)
     mask: torch.Tensor  # [B, 1, max_q, L] bool, True where the query may attend
     single_query: bool  # every sequence has exactly one query token (decode)
+    seq_lens: torch.Tensor  # [B] int32, keys each sequence attends to
+    fresh: bool  # no sequence has earlier context in the cache: attend to this step's K/V
 
 
 @dataclass
@@ -83,14 +87,19 @@ def _build_group(members, query_lens, seq_lens, first_row, tables, block_size) -
     mask[~valid] = False
     mask[..., 0] |= ~valid
     table = tables[members, :num_blocks]
-    table = np.where(table < 0, 0, table)
+    table = np.where(table < 0, 0, table).astype(np.int32)
+    fresh = bool(np.all(q_lens == s_lens)) and max_q > 1
+    if fresh:  # keys are exactly this step's tokens: a causal mask over max_q
+        mask = mask[:, :, :max_q]
     return AttentionGroup(
         query_index=torch.from_numpy(index),
         query_valid=torch.from_numpy(valid),
         valid_rows=torch.from_numpy(index[valid]),
         block_tables=torch.from_numpy(np.ascontiguousarray(table)),
-        mask=torch.from_numpy(mask[:, None, :, :]),
+        mask=torch.from_numpy(np.ascontiguousarray(mask[:, None, :, :])),
         single_query=max_q == 1,
+        seq_lens=torch.from_numpy(s_lens.astype(np.int32)),
+        fresh=fresh,
     )
 
 
@@ -110,8 +119,18 @@ def paged_attention(
     out = torch.empty_like(q)
     for group in meta.groups:
         batch = group.block_tables.shape[0]
-        keys = k_cache[group.block_tables].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[group.block_tables].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        if group.single_query and native_decode_available(q.dtype):
+            out[group.valid_rows] = paged_decode_attention(
+                q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale,
+            ).to(q.dtype)
+            continue
+        if group.fresh:  # prompts with nothing cached before them: no need to read the cache
+            keys = k[group.query_index].transpose(1, 2)
+            values = v[group.query_index].transpose(1, 2)
+        else:
+            index = group.block_tables.long()
+            keys = k_cache[index].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+            values = v_cache[index].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         if group.single_query:
             queries = q[group.valid_rows].unsqueeze(2)  # [B, H, 1, D]
         else:

@@ -31,6 +31,9 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     import torch
 
     torch.set_num_threads(num_threads)
+    from worker.decode_attention import set_kernel_threads
+
+    set_kernel_threads(num_threads)
     zctx = zmq.Context()
     steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False)
     results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)

@@ -1,0 +1,154 @@
+"""The ceiling: ModelRunner's forward passes in a plain loop, one process, no server.
+
+Whatever the server adds (HTTP, tokenization, ZeroMQ hops, scheduling, detokenization) shows
+up as the gap between this and the load test at the same batch size and context length.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench import steps as st
+from bench.prompts import prompt_ids
+from bench.stats import median
+
+# Ceiling prompts use indexes far from the load test's, for tidiness only (no cache here).
+PROMPT_INDEX_BASE = 1_000_000
+
+
+@dataclass
+class CeilingConfig:
+    model_dir: str
+    dtype: str
+    prompt_len: int
+    output_len: int
+    batch_sizes: list[int]
+    chunk_tokens: int = 512  # the server's default --max-num-batched-tokens
+    block_size: int = 16
+    prefill_repeats: int = 3
+
+
+def run_ceiling(cfg: CeilingConfig, log=print) -> dict:
+    torch.set_num_threads(os.cpu_count() or 1)
+    max_len = cfg.prompt_len + cfg.output_len
+    runner = _make_runner(cfg, max_len)
+    loop = _StepLoop(runner, cfg.block_size)
+    try:
+        _warm_up(loop, cfg)
+        prefill = _measure_prefill_one(loop, cfg, max_len)
+        log(f"ceiling: one {cfg.prompt_len}-token prefill {prefill['ms']:.1f} ms")
+        batches = {}
+        for batch in cfg.batch_sizes:
+            batches[str(batch)] = result = _measure_batch(loop, cfg, batch, max_len)
+            log(f"ceiling: batch {batch:>3}: decode {result['decode_tok_s']:8.1f} tok/s "
+                f"({result['decode_step_ms_p50']:.1f} ms/step), chunked prefill "
+                f"{result['prefill_tok_s']:8.1f} tok/s")
+    finally:
+        del runner, loop
+        gc.collect()
+    one = batches.get("1")
+    return {
+        "threads": torch.get_num_threads(),
+        "prefill_one": prefill,
+        "one_token_forward_ms": one["decode_step_ms_p50"] if one else None,
+        "batches": batches,
+    }
+
+
+def _make_runner(cfg: CeilingConfig, max_len: int):
+    # Imported here so `bench.run --skip-ceiling` never loads the worker package.
+    from worker.kv_cache import bytes_per_block
+    from worker.model_config import RunnerConfig, load_model_config
+    from worker.model_runner import DTYPES, ModelRunner
+
+    # Exactly the blocks the largest batch needs: the default sizing would take 40% of RAM.
+    num_blocks = st.blocks_needed(max(cfg.batch_sizes), max_len, cfg.block_size)
+    per_block = bytes_per_block(load_model_config(cfg.model_dir), DTYPES[cfg.dtype],
+                                cfg.block_size)
+    return ModelRunner(RunnerConfig(
+        model_dir=cfg.model_dir, dtype=cfg.dtype, block_size=cfg.block_size,
+        max_model_len=max_len, max_num_seqs=max(cfg.batch_sizes),
+        kv_cache_memory=num_blocks * per_block,
+    ))
+
+
+class _StepLoop:
+    """Runs hand-built steps through the runner, timing each forward pass."""
+
+    def __init__(self, runner, block_size: int) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.step_id = 0
+
+    def run(self, chunks) -> float:
+        batch = st.build_step(self.step_id, chunks, self.block_size)
+        self.step_id += 1
+        started = time.perf_counter()
+        sampled = self.runner.execute(batch)
+        elapsed = time.perf_counter() - started
+        st.apply_step(chunks, batch, sampled)
+        return elapsed
+
+    def prefill(self, seqs, budget: int) -> list[float]:
+        times = []
+        while chunks := st.prefill_chunks(seqs, budget):
+            times.append(self.run(chunks))
+        return times
+
+    def finish(self, seqs) -> None:
+        self.runner.execute(st.finish_step(self.step_id, seqs))
+        self.step_id += 1
+
+
+def _prompts(count: int, length: int, offset: int) -> list[list[int]]:
+    return [prompt_ids(PROMPT_INDEX_BASE + offset + i, length) for i in range(count)]
+
+
+def _warm_up(loop: _StepLoop, cfg: CeilingConfig) -> None:
+    # First calls pay for allocator growth and kernel selection; keep them out of the numbers.
+    seqs = st.make_sequences(_prompts(2, min(cfg.prompt_len, 64), 0), 80, cfg.block_size, "warm")
+    loop.prefill(seqs, cfg.chunk_tokens)
+    for _ in range(4):
+        loop.run(st.decode_chunks(seqs))
+    loop.finish(seqs)
+
+
+def _measure_prefill_one(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> dict:
+    """One P-token prompt at batch 1 (what TTFT at concurrency 1 is made of), median of a few."""
+    times = []
+    for r in range(cfg.prefill_repeats):
+        seqs = st.make_sequences(_prompts(1, cfg.prompt_len, 100 + r), max_len, cfg.block_size,
+                                 f"p1-{r}")
+        times.append(sum(loop.prefill(seqs, cfg.chunk_tokens)))
+        loop.finish(seqs)
+    ms = median(times) * 1e3
+    return {"ms": ms, "tok_s": cfg.prompt_len / (ms / 1e3), "runs_ms": [t * 1e3 for t in times]}
+
+
+def _measure_batch(loop: _StepLoop, cfg: CeilingConfig, batch: int, max_len: int) -> dict:
+    """B prompts prefilled together in budget-sized chunks (the first token comes out of the
+    prefill), then N-1 decode steps of one token per sequence at contexts P+1 .. P+N-1: the
+    steps a request of the load test goes through."""
+    seqs = st.make_sequences(_prompts(batch, cfg.prompt_len, 1000 * batch), max_len,
+                             cfg.block_size, f"b{batch}")
+    prefill_times = loop.prefill(seqs, cfg.chunk_tokens)
+    decode_times = [loop.run(st.decode_chunks(seqs)) for _ in range(cfg.output_len - 1)]
+    loop.finish(seqs)
+    prefill_s = sum(prefill_times)
+    decode_s = sum(decode_times)
+    return {
+        "batch": batch,
+        "prefill_steps": len(prefill_times),
+        "prefill_s": prefill_s,
+        "prefill_tok_s": batch * cfg.prompt_len / prefill_s,
+        "decode_steps": len(decode_times),
+        "decode_s": decode_s,
+        "decode_tok_s": batch * len(decode_times) / decode_s,
+        "decode_step_ms_p50": median(decode_times) * 1e3,
+        "decode_step_ms_mean": decode_s / len(decode_times) * 1e3,
+    }

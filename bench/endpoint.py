@@ -1,0 +1,68 @@
+"""Where the load goes: a loopback-only base URL, its health, and the model it serves.
+
+The harness only ever talks to this machine: a benchmark pointed at someone else's server
+would be a load attack, so anything but a loopback address is refused outright.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+
+class NotLoopbackError(ValueError):
+    pass
+
+
+def loopback_base_url(url: str) -> str:
+    """`url` with its path dropped and `localhost` pinned to 127.0.0.1 (so no resolver or
+    hosts file can send the traffic elsewhere); raises unless the host is a loopback IP."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    host = parts.hostname or ""
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if parts.scheme not in ("http", "https") or not loopback:
+        raise NotLoopbackError(f"refusing {url!r}: only http(s) servers on 127.0.0.1 / ::1")
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, "", "", ""))
+
+
+def http_client(**kwargs) -> httpx.AsyncClient:
+    # trust_env=False: an HTTP(S)_PROXY in the environment must not reroute loopback traffic.
+    return httpx.AsyncClient(trust_env=False, **kwargs)
+
+
+def wait_healthy(base_url: str, timeout: float, alive=lambda: True, interval: float = 0.2) -> float:
+    """Poll GET /health until 200; returns the moment it answered (time.monotonic)."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(trust_env=False, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if not alive():
+                raise RuntimeError("the server exited before becoming healthy")
+            try:
+                if client.get(f"{base_url}/health").status_code == 200:
+                    return time.monotonic()
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(interval)
+    raise TimeoutError(f"{base_url}/health not 200 after {timeout:.0f}s")
+
+
+def served_model(base_url: str) -> str:
+    """The first model id of GET /v1/models, for when --model is not given."""
+    with httpx.Client(trust_env=False, timeout=10.0) as client:
+        response = client.get(f"{base_url}/v1/models")
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+    return models[0]["id"]

@@ -1,0 +1,117 @@
+"""Closed-loop streaming load: C clients, each sending its next request when the last ends.
+
+Every level is bounded twice: by a number of requests, and by time (no new request after
+`level_timeout`, and requests still running `grace` seconds later are cancelled), so a stuck
+server can slow the benchmark down but never hang it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from bench.endpoint import http_client
+from bench.prompts import PromptSource
+from bench.sse import RequestRecord, completion_body, stream_completion
+from bench.stats import percentile
+
+
+@dataclass
+class LoadConfig:
+    base_url: str
+    model: str
+    prompt_len: int
+    output_len: int
+    concurrency: list[int]
+    requests_per_client: int = 2
+    min_requests: int = 4
+    level_timeout: float = 600.0
+    grace: float = 120.0
+
+
+def requests_for(cfg: LoadConfig, concurrency: int) -> int:
+    return max(cfg.requests_per_client * concurrency, cfg.min_requests)
+
+
+async def run_load(cfg: LoadConfig, log=print) -> dict:
+    prompts = PromptSource(cfg.prompt_len)
+    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=None)
+    timeout = httpx.Timeout(cfg.level_timeout + cfg.grace, connect=10.0)
+    async with http_client(limits=limits, timeout=timeout) as client:
+        # One request first, not counted: the server's first step pays one-time costs.
+        await _warm_up(client, cfg, prompts)
+        levels = {}
+        for c in cfg.concurrency:
+            records, wall = await run_level(client, cfg, c, requests_for(cfg, c), prompts)
+            levels[str(c)] = summary = summarize_level(c, records, wall)
+            log(f"server: c={c:>3}: {summary['output_tok_s']:8.1f} tok/s, TTFT p50 "
+                f"{_ms(summary['ttft_p50_s'])}, ITL p50 {_ms(summary['itl_p50_s'])}, "
+                f"{summary['failed']} failed")
+    return levels
+
+
+async def _warm_up(client, cfg: LoadConfig, prompts: PromptSource) -> None:
+    record = RequestRecord(cfg.prompt_len)
+    body = completion_body(cfg.model, prompts.next(), min(cfg.output_len, 8))
+    await asyncio.wait_for(stream_completion(client, cfg.base_url, body, record), cfg.grace)
+    if not record.ok:
+        raise RuntimeError(f"warm-up request failed: {record.error}")
+
+
+async def run_level(client, cfg: LoadConfig, concurrency: int, total: int,
+                    prompts: PromptSource) -> tuple[list[RequestRecord], float]:
+    """Returns every request's record and the level's wall time (first send to last end)."""
+    started = time.perf_counter()
+    stop_sending = started + cfg.level_timeout
+    hard_stop = stop_sending + cfg.grace
+    records: list[RequestRecord] = []
+
+    async def one_client() -> None:
+        while len(records) < total and time.perf_counter() < stop_sending:
+            record = RequestRecord(cfg.prompt_len)
+            records.append(record)
+            body = completion_body(cfg.model, prompts.next(), cfg.output_len)
+            left = hard_stop - time.perf_counter()
+            try:
+                await asyncio.wait_for(stream_completion(client, cfg.base_url, body, record), left)
+            except asyncio.TimeoutError:
+                record.error = "cancelled at the level's time bound"
+
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    ends = [r.finished for r in records if r.finished is not None]
+    wall = (max(ends) if ends else time.perf_counter()) - started
+    return records, wall
+
+
+def summarize_level(concurrency: int, records: list[RequestRecord], wall: float) -> dict:
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    chunks = sum(len(r.chunk_times) for r in ok)
+    itl = [gap for r in ok for gap in r.inter_chunk]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    e2e = [r.e2e for r in ok]
+    tpot = [r.time_per_output_token for r in ok if r.time_per_output_token is not None]
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "usage_reported": all(r.usage_reported for r in ok),
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall if wall > 0 else None,
+        "requests_s": len(ok) / wall if wall > 0 else None,
+        "tokens_per_chunk": tokens / chunks if chunks else None,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+    }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"

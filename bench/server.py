@@ -1,0 +1,89 @@
+"""Starting and stopping `loom serve` as a subprocess, for the load test.
+
+The server is always stopped, whatever happens in between: SIGTERM first (loom shuts its
+worker and scheduler down in order), SIGKILL if it lingers, and a final SIGKILL to the
+process group we created in case a child outlived it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from bench.endpoint import wait_healthy
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def loom_command(port: int, dtype: str, model_dir: str | None, extra: list[str]) -> list[str]:
+    # The console script next to this interpreter is the `loom` a user runs; fall back to the
+    # module when the package was not installed with its scripts.
+    script = os.path.join(os.path.dirname(sys.executable), "loom")
+    base = [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "api_server.cli"]
+    cmd = base + ["serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+    if model_dir:
+        cmd += ["--model", model_dir]
+    return cmd + extra
+
+
+class LoomServer:
+    """`with LoomServer(...) as server:` starts loom, waits for /health, stops it on exit."""
+
+    def __init__(self, dtype: str, model_dir: str | None, extra_args: list[str], log_path: str,
+                 startup_timeout: float = 300.0, stop_timeout: float = 20.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = loom_command(self.port, dtype, model_dir, extra_args)
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.process: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    def __enter__(self) -> "LoomServer":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        log = open(self.log_path, "wb")
+        started = time.monotonic()
+        # A session of its own: a Ctrl-C in the terminal reaches only us, and we stop the
+        # server in order instead of it dying mid-way.
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        healthy_at = wait_healthy(self.base_url, self.startup_timeout,
+                                  alive=lambda: self.process.poll() is None)
+        self.startup_s = healthy_at - started
+
+    def stop(self) -> int | None:
+        proc = self.process
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # our own session: stragglers only
+        except (ProcessLookupError, PermissionError):
+            pass
+        return proc.returncode

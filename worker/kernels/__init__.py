@@ -1,0 +1,65 @@
+"""Small native kernels, built on first use with the system C compiler and loaded with ctypes.
+
+No torch headers, so a build takes about a second; the library is cached by source hash.
+Without a compiler, callers fall back to the portable PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom")
+    return os.path.join(base, "kernels")
+
+
+def load_kernel(name: str) -> ctypes.CDLL | None:
+    """The compiled library for `name`.c, or None if it cannot be built here."""
+    if name in _loaded:
+        return _loaded[name]
+    if os.environ.get("LOOM_DISABLE_KERNELS"):
+        _loaded[name] = None
+        return None
+    source = os.path.join(_HERE, f"{name}.c")
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"{name}-{digest}.so")
+    try:
+        if not os.path.exists(target):
+            _compile(source, target)
+        _loaded[name] = ctypes.CDLL(target)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        logger.warning("native kernel %s unavailable (%s); using the PyTorch path", name, exc)
+        _loaded[name] = None
+    return _loaded[name]
+
+
+def _compile(source: str, target: str) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        # -ffast-math lets the dot products vectorise (reassociated sums); -march=native uses
+        # the machine's SIMD width. The library is cached per machine, never shipped.
+        subprocess.run([compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
+                        "-fPIC", source, "-o", tmp, "-lm"], check=True, capture_output=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
