@@ -20,7 +20,7 @@ logger = logging.getLogger("loom.api")
 VERSION = "0.1.0"
 
 
-def build_app(engine: EngineClient, routes: OpenAIRoutes, metrics: Metrics) -> Starlette:
+def build_app(engine: EngineClient, routes: OpenAIRoutes, metrics: Metrics):
     async def health(request: Request) -> Response:
         if engine.is_healthy:
             return json_response({"status": "ok"})
@@ -37,7 +37,7 @@ def build_app(engine: EngineClient, routes: OpenAIRoutes, metrics: Metrics) -> S
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(RequestError("internal server error", status=500))
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/version", version, methods=["GET"]),
@@ -48,3 +48,5 @@ def build_app(engine: EngineClient, routes: OpenAIRoutes, metrics: Metrics) -> S
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
+    known_paths = {route.path for route in app.routes}
+    return metrics.http_middleware(app, known_paths)

@@ -10,6 +10,7 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from api_server.metrics import Metrics, RequestClock
 from pipelines.context import TextContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
@@ -31,7 +32,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints, on_stats=None) -> None:
+    def __init__(self, endpoints: Endpoints, metrics: Metrics | None = None) -> None:
         self.zctx = zmq.asyncio.Context()
         self.requests = make_socket(self.zctx, zmq.PUSH, endpoints.requests, bind=False)
         self.cancel_sock = make_socket(self.zctx, zmq.PUSH, endpoints.cancel, bind=False)
@@ -43,7 +44,8 @@ class EngineClient:
         self.dead_reason: str | None = None
         self._ready_event = asyncio.Event()
         self._reader: asyncio.Task | None = None
-        self._on_stats = on_stats
+        self.metrics = metrics
+        self._ended_early: dict[str, str] = {}
 
     @property
     def is_healthy(self) -> bool:
@@ -68,8 +70,8 @@ class EngineClient:
             frame = await self.responses.recv()
             msg = decode_or_drop(self.decode, frame, "responses")
             if isinstance(msg, ResponseBatch):
-                if msg.stats is not None and self._on_stats is not None:
-                    self._on_stats(msg.stats)
+                if msg.stats is not None and self.metrics is not None:
+                    self.metrics.observe_scheduler(msg.stats)
                 for output in msg.outputs:
                     queue = self.streams.get(output.request_id)
                     if queue is not None:
@@ -101,10 +103,17 @@ class EngineClient:
         queue: asyncio.Queue[TextGenerationOutput] = asyncio.Queue()
         self.streams[ctx.request_id] = queue
         finished = False
+        clock = RequestClock()
+        generated = 0
         try:
             await self.requests.send(self.encode(ctx), copy=False)
             while True:
                 output = await queue.get()
+                generated += len(output.tokens)
+                if self.metrics is not None:
+                    self.metrics.observe_output(clock, output)
+                    if output.is_done:
+                        self.metrics.observe_request_tokens(ctx.prompt_length, generated)
                 if output.is_done:
                     finished = True
                 yield output
@@ -112,8 +121,17 @@ class EngineClient:
                     return
         finally:
             del self.streams[ctx.request_id]
-            if not finished and self.dead_reason is None:
-                self.cancel([ctx.request_id])
+            if not finished:
+                reason = self._ended_early.pop(ctx.request_id, "abort")
+                if self.metrics is not None:
+                    self.metrics.observe_early_end(clock, reason)
+                if self.dead_reason is None:
+                    self.cancel([ctx.request_id])
+
+    def end_early(self, request_id: str, reason: str) -> None:
+        """The consumer is about to stop reading (e.g. a stop string matched): for metrics,
+        the request ends with `reason` rather than as an abort."""
+        self._ended_early[request_id] = reason
 
     def cancel(self, request_ids: list[str]) -> None:
         try:

@@ -56,6 +56,7 @@ async def stream_choice(
             text += stops.flush()
         if stops.stopped:
             # A stop string ended it: leaving the loop cancels the request in the scheduler.
+            engine.end_early(ctx.request_id, "stop")
             yield ChoiceDelta(index, text, tokens, "stop", len(prompt_ids), completion_tokens)
             return
         yield ChoiceDelta(index, text, tokens, finish, len(prompt_ids), completion_tokens)

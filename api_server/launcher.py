@@ -151,7 +151,7 @@ class Launcher:
     async def serve(self, listen_socket: socket.socket) -> int:
         cfg = self.cfg
         metrics = Metrics(cfg.served_model_name)
-        engine = EngineClient(self.endpoints, on_stats=metrics.observe_scheduler)
+        engine = EngineClient(self.endpoints, metrics)
         engine.start()
         model_config = load_model_config(cfg.model_dir)
         max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)

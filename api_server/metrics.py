@@ -1,51 +1,166 @@
-"""Prometheus metrics, with vLLM's names under a `loom:` prefix.
+"""Prometheus metrics, with vLLM's names under a `loom:` prefix and a `model_name` label.
 
-The scheduler's gauges and totals arrive with every ResponseBatch (SchedulerStats); counters
-advance by the difference to the previous totals.
+Where each number comes from:
+- per-request latencies (TTFT, inter-token, end-to-end) are measured in this process, when the
+  tokens arrive from the scheduler, on this process's monotonic clock;
+- queue / prefill / decode times come from the scheduler's own timestamps (RequestTimings),
+  intervals taken on its clock;
+- gauges, totals, tokens per step and the per-step scheduling overhead arrive as SchedulerStats
+  with every response batch.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pipelines.response import TextGenerationOutput
+from pipelines.status import GenerationStatus
 from serialization.messages import SchedulerStats
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
+                    0.025, 0.05, 0.1)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+FINISH_REASONS = {
+    GenerationStatus.END_OF_SEQUENCE: "stop",
+    GenerationStatus.MAXIMUM_LENGTH: "length",
+    GenerationStatus.CANCELLED: "abort",
+    GenerationStatus.ERROR: "error",
+}
+
+
+class RequestClock:
+    """Latency bookkeeping for one engine request."""
+
+    __slots__ = ("started", "first", "last")
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.first = 0.0
+        self.last = 0.0
 
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self.model_name = model_name
+        reg, label = self.registry, ["model_name"]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"loom:{name}", doc, labels, registry=self.registry).labels(model_name)
+        def gauge(name, doc):
+            return Gauge(f"loom:{name}", doc, label, registry=reg).labels(model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"loom:{name}", doc, labels, registry=self.registry).labels(model_name)
+        def counter(name, doc):
+            return Counter(f"loom:{name}", doc, label, registry=reg).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"loom:{name}", doc, label, buckets=buckets,
+                             registry=reg).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
-        self._counters = {
+        self._totals = {
             "num_preemptions_total": counter("num_preemptions", "Preemptions of running requests."),
             "prompt_tokens_total": counter("prompt_tokens", "Prompt tokens prefilled."),
             "generation_tokens_total": counter("generation_tokens", "Tokens generated."),
             "prefix_cache_queries_total": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "prefix_cache_hits_total": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         }
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.", LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduled to first token.", LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from first token to finish.", LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens fed to the model per step.", ITERATION_BUCKETS)
+        self.step_overhead = histogram("step_overhead_seconds", "Worker idle time between steps (scheduling + IPC).", OVERHEAD_BUCKETS)
+        self.request_success = Counter("loom:request_success", "Finished requests by reason.",
+                                       ["model_name", "finished_reason"], registry=reg)
+        self.http_requests = Counter("loom:http_requests", "HTTP requests by route and status.",
+                                     ["handler", "method", "status"], registry=reg)
         self._last = SchedulerStats()
 
+    # ---- scheduler stats ----------------------------------------------------------------------
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        for field, counter in self._counters.items():
+        for field, counter in self._totals.items():
             delta = getattr(stats, field) - getattr(self._last, field)
             if delta > 0:
                 counter.inc(delta)
+        for tokens in stats.iteration_tokens:
+            self.iteration_tokens.observe(tokens)
+        for overhead in stats.step_overheads:
+            self.step_overhead.observe(max(0.0, overhead))
         self._last = stats
+
+    # ---- requests ------------------------------------------------------------------------------
+    def observe_output(self, clock: RequestClock, output: TextGenerationOutput) -> None:
+        now = time.monotonic()
+        n = len(output.tokens)
+        if n:
+            if not clock.first:
+                clock.first = now
+                self.ttft.observe(now - clock.started)
+                n -= 1
+            if n and clock.last:
+                gap = (now - clock.last) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+            clock.last = now
+        if output.is_done:
+            self.e2e.observe(now - clock.started)
+            reason = FINISH_REASONS.get(output.final_status, "error")
+            self.request_success.labels(self.model_name, reason).inc()
+            t = output.timings
+            if t is not None:
+                if t.first_scheduled:
+                    self.queue_time.observe(t.first_scheduled - t.arrival)
+                if t.first_token:
+                    self.prefill_time.observe(t.first_token - t.first_scheduled)
+                    self.decode_time.observe(t.finished - t.first_token)
+
+    def observe_early_end(self, clock: RequestClock, reason: str) -> None:
+        """The API stopped reading a request (stop string, client gone) before it finished."""
+        self.e2e.observe(time.monotonic() - clock.started)
+        self.request_success.labels(self.model_name, reason).inc()
+
+    def observe_request_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generation_tokens)
+
+    # ---- HTTP ----------------------------------------------------------------------------------
+    def http_middleware(self, app, known_paths: set[str]):
+        async def middleware(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            handler = scope["path"] if scope["path"] in known_paths else "other"
+            status = {"code": 500}
+
+            async def send_wrapper(message):
+                if message["type"] == "http.response.start":
+                    status["code"] = message["status"]
+                await send(message)
+
+            try:
+                await app(scope, receive, send_wrapper)
+            finally:
+                self.http_requests.labels(handler, scope["method"], str(status["code"])).inc()
+
+        return middleware
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

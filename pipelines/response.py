@@ -21,6 +21,16 @@ class TextResponse(msgspec.Struct, array_like=True):
     log_probabilities: LogProbabilities | None = None
 
 
+class RequestTimings(msgspec.Struct, array_like=True):
+    """When the scheduler saw a request through its life (host-wide monotonic seconds)."""
+
+    arrival: float  # received by the scheduler
+    first_scheduled: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+    num_preemptions: int = 0
+
+
 class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """The tokens a request produced since its previous output, and where it stands.
 
@@ -34,6 +44,8 @@ class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     log_probabilities: list[LogProbabilities] | None = None
     # Set when final_status is ERROR: what went wrong, for the client.
     error: str | None = None
+    # Set on the final output: the scheduler's view of the request's life, for metrics.
+    timings: RequestTimings | None = None
 
     @property
     def is_done(self) -> bool:

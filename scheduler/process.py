@@ -64,6 +64,9 @@ class SchedulerLoop:
         self.scheduler: Scheduler | None = None
         self.inflight: ScheduledStep | None = None
         self._last_stats = None
+        self._last_result_at: float | None = None
+        self._iteration_tokens: list[int] = []
+        self._step_overheads: list[float] = []
 
     # ---- start-up ---------------------------------------------------------------------------
     def wait_for_worker(self) -> WorkerReady | None:
@@ -102,12 +105,14 @@ class SchedulerLoop:
                 self._drain_inputs()
                 step = sched.schedule()
                 if step is not None:
+                    step.follows_result_at = self._last_result_at
                     step.batch.sent_at = time.monotonic()
                     self.steps.send(self.encode(step.batch), copy=False)
                     self.inflight = step
                     continue
                 # Idle: report the final state once, then sleep in poll until a request or
                 # cancellation arrives.
+                self._last_result_at = None
                 self._send_outputs([])
                 self.poller.poll(1000)
                 if os.getppid() == 1:
@@ -145,16 +150,21 @@ class SchedulerLoop:
                 frame = self.results.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            received_at = time.monotonic()
             msg = decode_or_drop(self.decode_result, frame, "results")
             if isinstance(msg, StepResult):
-                self._apply_result(msg)
+                self._apply_result(msg, received_at)
 
-    def _apply_result(self, result: StepResult) -> None:
+    def _apply_result(self, result: StepResult, received_at: float) -> None:
         step = self.inflight
         if step is None or result.step_id != step.batch.step_id:
             logger.warning("dropped a result for unexpected step %d", result.step_id)
             return
         self.inflight = None
+        self._last_result_at = received_at
+        self._iteration_tokens.append(int(step.batch.query_lens.sum()))
+        if step.follows_result_at is not None:
+            self._step_overheads.append(result.started_at - step.follows_result_at)
         if result.error is not None:
             outputs = self.scheduler.fail_step(step, result.error)
         else:
@@ -163,6 +173,8 @@ class SchedulerLoop:
 
     def _send_outputs(self, outputs: list) -> None:
         stats = self.scheduler.stats()
+        stats.iteration_tokens, self._iteration_tokens = self._iteration_tokens, []
+        stats.step_overheads, self._step_overheads = self._step_overheads, []
         if outputs or stats != self._last_stats:
             self.responses.send(self.encode(ResponseBatch(outputs=outputs, stats=stats)))
             self._last_stats = stats

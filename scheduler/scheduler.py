@@ -11,13 +11,14 @@ context `reset()`, and it goes back to the front of the queue to be re-encoded l
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipelines.context import TextContext
-from pipelines.response import TextGenerationOutput
+from pipelines.response import RequestTimings, TextGenerationOutput
 from pipelines.status import GenerationStatus
 from scheduler.block_manager import BlockManager
 from scheduler.step_builder import build_step_batch
@@ -37,6 +38,9 @@ class SchedulerConfig:
 class ScheduledStep:
     batch: StepBatch
     contexts: list[TextContext]
+    # When the previous step's result reached the scheduler, if this step followed it at
+    # once: the worker sat idle from then until this step started (the per-step overhead).
+    follows_result_at: float | None = None
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.timings: dict[str, RequestTimings] = {}
 
     # ---- request lifecycle ------------------------------------------------------------------
     def add_request(self, ctx: TextContext) -> None:
@@ -67,6 +72,7 @@ class Scheduler:
             logger.warning("duplicate request id %s dropped", ctx.request_id)
             return
         self.requests[ctx.request_id] = ctx
+        self.timings[ctx.request_id] = RequestTimings(arrival=time.monotonic())
         self.waiting.append(ctx)
 
     def abort(self, request_id: str) -> bool:
@@ -77,12 +83,11 @@ class Scheduler:
         self._finish(ctx)
         return True
 
-    def fail(self, ctx: TextContext) -> None:
-        ctx.status = GenerationStatus.ERROR
-        self._finish(ctx)
-
-    def _finish(self, ctx: TextContext) -> None:
+    def _finish(self, ctx: TextContext) -> RequestTimings | None:
         self.requests.pop(ctx.request_id, None)
+        timings = self.timings.pop(ctx.request_id, None)
+        if timings is not None:
+            timings.finished = time.monotonic()
         if ctx in self.running:
             self.running.remove(ctx)
         elif ctx in self.waiting:
@@ -91,6 +96,7 @@ class Scheduler:
         if ctx.request_id in self._known_to_worker:
             self._known_to_worker.discard(ctx.request_id)
             self._finished_since_last_step.append(ctx.request_id)
+        return timings
 
     @property
     def has_work(self) -> bool:
@@ -150,11 +156,16 @@ class Scheduler:
         ctx.reset()
         self.waiting.appendleft(ctx)
         self.num_preemptions += 1
+        self.timings[ctx.request_id].num_preemptions += 1
         logger.debug("preempted %s (%d tokens)", ctx.request_id, ctx.end_idx)
 
     def _build_step(self, contexts: list[TextContext], num_new: dict[str, int]) -> ScheduledStep:
         new_requests = []
+        now = time.monotonic()
         for ctx in contexts:
+            timings = self.timings[ctx.request_id]
+            if not timings.first_scheduled:
+                timings.first_scheduled = now
             if ctx.request_id not in self._known_to_worker:
                 self._known_to_worker.add(ctx.request_id)
                 new_requests.append(NewRequest(ctx.request_id, ctx.sampling_params))
@@ -183,16 +194,22 @@ class Scheduler:
             if step.batch.sample[i]:
                 ctx.update(int(sampled[i]))
                 stats.num_generation_tokens += 1
+                timings = self.timings[ctx.request_id]
+                if not timings.first_token:
+                    timings.first_token = time.monotonic()
             else:
                 ctx.set_token_indices(start_idx=ctx.active_idx, active_idx=ctx.end_idx)
             self.blocks.register_full_blocks(ctx.request_id, ctx.tokens, ctx.start_idx)
             if ctx.end_idx >= self.config.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
+            timings = None
             if ctx.is_done:
                 stats.finished.append(ctx)
-                self._finish(ctx)
+                timings = self._finish(ctx)
             if step.batch.sample[i]:
-                outputs.append(ctx.to_generation_output())
+                output = ctx.to_generation_output()
+                output.timings = timings
+                outputs.append(output)
         self.prompt_tokens_total += stats.num_prompt_tokens
         self.generation_tokens_total += stats.num_generation_tokens
         return outputs, stats
@@ -214,8 +231,9 @@ class Scheduler:
         outputs = []
         for ctx in step.contexts:
             if ctx.request_id in self.requests:
-                self.fail(ctx)
+                ctx.status = GenerationStatus.ERROR
+                timings = self._finish(ctx)
                 outputs.append(TextGenerationOutput(
                     request_id=ctx.request_id, tokens=[], final_status=GenerationStatus.ERROR,
-                    error=message))
+                    error=message, timings=timings))
         return outputs

@@ -38,6 +38,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     generation_tokens_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Per step since the previous stats: tokens fed, and the scheduler + IPC gap the worker
+    # waited through (from the previous result reaching the scheduler to the step starting).
+    iteration_tokens: list[int] = []
+    step_overheads: list[float] = []
 
 
 class ResponseBatch(msgspec.Struct, tag=True):

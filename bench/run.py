@@ -1,0 +1,206 @@
+"""`python -m bench.run`: ceiling, server load and baseline, then one table and a JSON file.
+
+Examples:
+  python -m bench.run                                  # everything, defaults (P=256, N=128)
+  python -m bench.run --prompt-len 64 --output-len 16 --concurrency 1 4    # a quick check
+  python -m bench.run --url http://127.0.0.1:8000 --skip-ceiling --skip-baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import signal
+import sys
+import time
+
+from bench.endpoint import NotLoopbackError, loopback_base_url, served_model
+from bench.environment import busy_warning, describe_environment
+from bench.report import render, write_json
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO_DIR, "bench", "results")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens P")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens N")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32],
+                   help="load levels; also the ceiling's batch sizes")
+    p.add_argument("--skip-ceiling", action="store_true")
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--skip-server", action="store_true")
+    p.add_argument("--url", default=None,
+                   help="drive this OpenAI-compatible server (127.0.0.1 only) instead of "
+                        "starting loom")
+    p.add_argument("--model", default=None,
+                   help="model name sent in requests; default: the first of GET /v1/models")
+    p.add_argument("--model-dir", default=None,
+                   help="checkpoint for the ceiling, the baseline and loom; default: the "
+                        "converted SmolLM2-135M-Instruct")
+    p.add_argument("--serve-args", default="", help='extra `loom serve` flags, e.g. '
+                   '"--max-num-batched-tokens 1024"')
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="ceiling's prefill chunk; default: --max-num-batched-tokens of "
+                        "--serve-args, else 512 (loom's default)")
+    p.add_argument("--requests-per-client", type=int, default=2,
+                   help="each level sends max(this x concurrency, 4) requests")
+    p.add_argument("--level-timeout", type=float, default=600.0,
+                   help="seconds after which a level sends no new request")
+    p.add_argument("--baseline-batch", type=int, default=16)
+    p.add_argument("--baseline-requests", type=int, default=3)
+    p.add_argument("--out", default=None, help="JSON path; default bench/results/<time>.json")
+    return p
+
+
+def chunk_tokens(args) -> int:
+    if args.chunk_tokens:
+        return args.chunk_tokens
+    flags = shlex.split(args.serve_args)
+    for i, flag in enumerate(flags):
+        if flag == "--max-num-batched-tokens" and i + 1 < len(flags):
+            return int(flags[i + 1])
+        if flag.startswith("--max-num-batched-tokens="):
+            return int(flag.split("=", 1)[1])
+    return 512
+
+
+def resolve_model_dir(args) -> str:
+    if args.model_dir:
+        return os.path.abspath(os.path.expanduser(args.model_dir))
+    from worker.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_ceiling_phase(args, model_dir: str) -> dict:
+    from bench.ceiling import CeilingConfig, run_ceiling
+
+    return run_ceiling(CeilingConfig(
+        model_dir=model_dir, dtype=args.dtype, prompt_len=args.prompt_len,
+        output_len=args.output_len, batch_sizes=sorted(set(args.concurrency)),
+        chunk_tokens=chunk_tokens(args),
+    ), log=log)
+
+
+def run_baseline_phase(args, model_dir: str) -> dict:
+    from bench.baseline import BaselineConfig, run_baseline
+
+    return run_baseline(BaselineConfig(
+        model_dir=model_dir, dtype=args.dtype, prompt_len=args.prompt_len,
+        output_len=args.output_len, sequential_requests=args.baseline_requests,
+        batch_size=args.baseline_batch,
+    ), log=log)
+
+
+def run_server_phase(args, model_dir: str | None, log_path: str) -> dict:
+    """Drive --url if given, else a loom we start (and always stop) ourselves."""
+    if args.url:
+        base = loopback_base_url(args.url)
+        return dict(drive(args, base), url=base, started_by_bench=False)
+    from bench.server import LoomServer
+
+    extra = shlex.split(args.serve_args)
+    # loom gets --model only when one was asked for, so its own default path is what is timed.
+    loom_model = model_dir if args.model_dir else None
+    log(f"server: starting loom serve (log: {log_path})")
+    with LoomServer(args.dtype, loom_model, extra, log_path) as server:
+        log(f"server: healthy after {server.startup_s:.1f} s ({' '.join(server.command)})")
+        result = drive(args, server.base_url)
+        return dict(result, url=server.base_url, started_by_bench=True,
+                    startup_s=server.startup_s, command=server.command, log=log_path)
+
+
+def drive(args, base_url: str) -> dict:
+    from bench.load import LoadConfig, run_load
+
+    model = args.model or served_model(base_url)
+    cfg = LoadConfig(base_url=base_url, model=model, prompt_len=args.prompt_len,
+                     output_len=args.output_len, concurrency=args.concurrency,
+                     requests_per_client=args.requests_per_client,
+                     level_timeout=args.level_timeout)
+    return {"model": model, "levels": asyncio.run(run_load(cfg, log=log))}
+
+
+def _sigterm_as_interrupt(signum, frame):
+    # SIGTERM takes the same path as Ctrl-C, so the `with LoomServer` block still stops loom.
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.url:
+        try:
+            loopback_base_url(args.url)
+        except NotLoopbackError as exc:
+            print(f"bench: error: {exc}", file=sys.stderr)
+            return 2
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(RESULTS_DIR, f"{stamp}.json")
+    env = describe_environment(REPO_DIR)
+    if warning := busy_warning(env):
+        log(warning)
+    results = {"config": _config(args), "environment": env}
+    status = 0
+    try:
+        needs_dir = not (args.skip_ceiling and args.skip_baseline and (args.skip_server or args.url))
+        model_dir = resolve_model_dir(args) if needs_dir else None
+        results["config"]["model_dir"] = model_dir
+        server_log = os.path.splitext(out)[0] + ".server.log"
+        phases = [
+            ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir)),
+            ("server", args.skip_server, lambda: run_server_phase(args, model_dir, server_log)),
+            ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir)),
+        ]
+        for name, skip, phase in phases:
+            if not skip:
+                _run_phase(results, name, phase)
+    except KeyboardInterrupt:
+        log("bench: interrupted; reporting what was measured")
+        results["interrupted"] = True
+        status = 130
+    results["config"]["model_name"] = _model_name(results)
+    print(render(results))
+    write_json(results, out)
+    if results.get("errors"):
+        status = status or 1
+    log(f"bench: wrote {out}")
+    return status
+
+
+def _run_phase(results: dict, name: str, phase) -> None:
+    """A failing phase is reported and the others still run: a server that will not start
+    should not throw away the ceiling measured before it."""
+    try:
+        results[name] = phase()
+    except Exception as exc:
+        log(f"bench: {name} failed: {type(exc).__name__}: {exc}")
+        results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+
+
+def _config(args) -> dict:
+    return {"dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
+            "concurrency": args.concurrency, "url": args.url, "serve_args": args.serve_args,
+            "chunk_tokens": chunk_tokens(args), "requests_per_client": args.requests_per_client,
+            "level_timeout_s": args.level_timeout, "baseline_batch": args.baseline_batch,
+            "baseline_requests": args.baseline_requests}
+
+
+def _model_name(results: dict) -> str:
+    served = (results.get("server") or {}).get("model")
+    model_dir = results["config"].get("model_dir")
+    return served or (os.path.basename(model_dir.rstrip("/")) if model_dir else "?")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

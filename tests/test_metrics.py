@@ -1,0 +1,74 @@
+"""/metrics after real traffic: the names, labels and values a Prometheus user relies on."""
+
+import re
+
+import httpx
+import pytest
+
+from tests.helpers import start_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = start_server(tiny_model_dir, "--served-model-name", "tiny")
+    yield srv
+    srv.stop()
+
+
+def sample(text, name, **labels):
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+            if all(got.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_metrics_follow_traffic(server):
+    for i in range(3):
+        r = httpx.post(server.url + "/v1/completions", json={
+            "prompt": "hello there", "max_tokens": 5 + i, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+    httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    text = httpx.get(server.url + "/metrics").text
+    m = {"model_name": "tiny"}
+    assert sample(text, "loom:generation_tokens_total", **m) == 5 + 6 + 7
+    assert sample(text, "loom:request_success_total", finished_reason="length", **m) == 3
+    assert sample(text, "loom:time_to_first_token_seconds_count", **m) == 3
+    assert sample(text, "loom:inter_token_latency_seconds_count", **m) == 4 + 5 + 6
+    assert sample(text, "loom:e2e_request_latency_seconds_count", **m) == 3
+    assert sample(text, "loom:request_generation_tokens_sum", **m) == 18
+    assert sample(text, "loom:request_prompt_tokens_count", **m) == 3
+    assert sample(text, "loom:request_queue_time_seconds_count", **m) == 3
+    assert sample(text, "loom:request_prefill_time_seconds_count", **m) == 3
+    assert sample(text, "loom:request_decode_time_seconds_count", **m) == 3
+    assert sample(text, "loom:iteration_tokens_total_count", **m) >= 18
+    assert sample(text, "loom:num_requests_running", **m) == 0
+    assert sample(text, "loom:kv_cache_usage_perc", **m) == 0
+    assert sample(text, "loom:prompt_tokens_total", **m) > 0
+    assert sample(text, "loom:http_requests_total", handler="/v1/completions", method="POST",
+                  status="200") == 3
+    assert sample(text, "loom:http_requests_total", handler="/v1/completions", method="POST",
+                  status="400") == 1
+
+
+def test_stop_string_counts_as_stop(server):
+    r = httpx.post(server.url + "/v1/completions", json={
+        "prompt": "hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    text = r.json()["choices"][0]["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("generated text has no usable stop string")
+    try:
+        before = sample(httpx.get(server.url + "/metrics").text, "loom:request_success_total",
+                        finished_reason="stop", model_name="tiny")
+    except AssertionError:  # no request has stopped yet
+        before = 0
+    r = httpx.post(server.url + "/v1/completions", json={
+        "prompt": "hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": [stop]})
+    body = r.json()["choices"][0]
+    assert body["finish_reason"] == "stop" and stop not in body["text"]
+    assert body["text"] == text[: text.find(stop)]
+    after = sample(httpx.get(server.url + "/metrics").text, "loom:request_success_total",
+                   finished_reason="stop", model_name="tiny")
+    assert after == before + 1
