@@ -36,21 +36,21 @@ def requests_for(cfg: LoadConfig, concurrency: int) -> int:
     return max(cfg.requests_per_client * concurrency, cfg.min_requests)
 
 
-async def run_load(cfg: LoadConfig, log=print) -> dict:
+async def run_load(cfg: LoadConfig, levels: dict, log=print) -> None:
+    """Runs every level, adding each one's summary to `levels` (keyed by concurrency) as soon
+    as it ends."""
     prompts = PromptSource(cfg.prompt_len)
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.level_timeout + cfg.grace, connect=10.0)
     async with http_client(limits=limits, timeout=timeout) as client:
         # One request first, not counted: the server's first step pays one-time costs.
         await _warm_up(client, cfg, prompts)
-        levels = {}
         for c in cfg.concurrency:
             records, wall = await run_level(client, cfg, c, requests_for(cfg, c), prompts)
             levels[str(c)] = summary = summarize_level(c, records, wall)
-            log(f"server: c={c:>3}: {summary['output_tok_s']:8.1f} tok/s, TTFT p50 "
+            log(f"server: c={c:>3}: {summary['output_tok_s'] or 0:8.1f} tok/s, TTFT p50 "
                 f"{_ms(summary['ttft_p50_s'])}, ITL p50 {_ms(summary['itl_p50_s'])}, "
                 f"{summary['failed']} failed")
-    return levels
 
 
 async def _warm_up(client, cfg: LoadConfig, prompts: PromptSource) -> None:

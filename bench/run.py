@@ -102,11 +102,13 @@ def run_baseline_phase(args, model_dir: str) -> dict:
     ), log=log)
 
 
-def run_server_phase(args, model_dir: str | None, log_path: str) -> dict:
-    """Drive --url if given, else a loom we start (and always stop) ourselves."""
+def run_server_phase(args, model_dir: str | None, log_path: str, record: dict) -> dict:
+    """Drive --url if given, else a loom we start (and always stop) ourselves. Fills `record`
+    as it goes, so an interrupted run still reports the levels it finished."""
     if args.url:
-        base = loopback_base_url(args.url)
-        return dict(drive(args, base), url=base, started_by_bench=False)
+        record.update(url=loopback_base_url(args.url), started_by_bench=False)
+        drive(args, record)
+        return record
     from bench.server import LoomServer
 
     extra = shlex.split(args.serve_args)
@@ -114,21 +116,24 @@ def run_server_phase(args, model_dir: str | None, log_path: str) -> dict:
     loom_model = model_dir if args.model_dir else None
     log(f"server: starting loom serve (log: {log_path})")
     with LoomServer(args.dtype, loom_model, extra, log_path) as server:
+        record.update(url=server.base_url, started_by_bench=True, startup_s=server.startup_s,
+                      command=server.command, log=log_path)
         log(f"server: healthy after {server.startup_s:.1f} s ({' '.join(server.command)})")
-        result = drive(args, server.base_url)
-        return dict(result, url=server.base_url, started_by_bench=True,
-                    startup_s=server.startup_s, command=server.command, log=log_path)
+        drive(args, record)
+    return record
 
 
-def drive(args, base_url: str) -> dict:
+def drive(args, record: dict) -> None:
     from bench.load import LoadConfig, run_load
 
-    model = args.model or served_model(base_url)
+    base_url = record["url"]
+    record["model"] = model = args.model or served_model(base_url)
     cfg = LoadConfig(base_url=base_url, model=model, prompt_len=args.prompt_len,
                      output_len=args.output_len, concurrency=args.concurrency,
                      requests_per_client=args.requests_per_client,
                      level_timeout=args.level_timeout)
-    return {"model": model, "levels": asyncio.run(run_load(cfg, log=log))}
+    record["levels"] = {}
+    asyncio.run(run_load(cfg, record["levels"], log=log))
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -157,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model_dir(args) if needs_dir else None
         results["config"]["model_dir"] = model_dir
         server_log = os.path.splitext(out)[0] + ".server.log"
+        if not args.skip_server:
+            results["server"] = {}  # filled level by level
         phases = [
             ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir)),
-            ("server", args.skip_server, lambda: run_server_phase(args, model_dir, server_log)),
+            ("server", args.skip_server,
+             lambda: run_server_phase(args, model_dir, server_log, results["server"])),
             ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir)),
         ]
         for name, skip, phase in phases:
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         results["interrupted"] = True
         status = 130
     results["config"]["model_name"] = _model_name(results)
-    print(render(results))
+    print(render(results), flush=True)
     write_json(results, out)
     if results.get("errors"):
         status = status or 1
