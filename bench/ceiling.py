@@ -89,8 +89,10 @@ class _StepLoop:
         batch = st.build_step(self.step_id, chunks, self.block_size)
         self.step_id += 1
         started = time.perf_counter()
-        sampled = self.runner.execute(batch)
+        output = self.runner.execute(batch)
         elapsed = time.perf_counter() - started
+        # execute() returns the token array, or (newer runners) an object carrying it.
+        sampled = getattr(output, "sampled_token_ids", output)
         st.apply_step(chunks, batch, sampled)
         return elapsed
 
