@@ -153,4 +153,7 @@ def _measure_batch(loop: _StepLoop, cfg: CeilingConfig, batch: int, max_len: int
         "decode_tok_s": batch * len(decode_times) / decode_s,
         "decode_step_ms_p50": median(decode_times) * 1e3,
         "decode_step_ms_mean": decode_s / len(decode_times) * 1e3,
+        # All N tokens over prefill + decode: what a server that batched perfectly but could
+        # not hide prefill would reach in a closed loop at this concurrency.
+        "prefill_and_decode_tok_s": batch * cfg.output_len / (prefill_s + decode_s),
     }

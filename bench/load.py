@@ -15,6 +15,7 @@ import httpx
 
 from bench.endpoint import http_client
 from bench.prompts import PromptSource
+from bench.server_metrics import level_breakdown, scrape
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import percentile
 
@@ -46,8 +47,11 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print) -> None:
         # One request first, not counted: the server's first step pays one-time costs.
         await _warm_up(client, cfg, prompts)
         for c in cfg.concurrency:
+            before = await scrape(client, cfg.base_url)
             records, wall = await run_level(client, cfg, c, requests_for(cfg, c), prompts)
             levels[str(c)] = summary = summarize_level(c, records, wall)
+            summary["server_metrics"] = level_breakdown(before, await scrape(client, cfg.base_url),
+                                                        wall)
             log(f"server: c={c:>3}: {summary['output_tok_s'] or 0:8.1f} tok/s, TTFT p50 "
                 f"{_ms(summary['ttft_p50_s'])}, ITL p50 {_ms(summary['itl_p50_s'])}, "
                 f"{summary['failed']} failed")

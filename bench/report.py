@@ -60,7 +60,8 @@ def summary_lines(results: dict) -> list[str]:
     for key, batch in (ceiling.get("batches") or {}).items():
         lines.append(f"ceiling batch {key}: chunked prefill {batch['prefill_tok_s']:.0f} tok/s "
                      f"({batch['prefill_steps']} steps), decode step p50 "
-                     f"{batch['decode_step_ms_p50']:.1f} ms")
+                     f"{batch['decode_step_ms_p50']:.1f} ms, prefill+decode "
+                     f"{batch['prefill_and_decode_tok_s']:.1f} tok/s")
     for name, part in baseline.items():
         lines.append(f"baseline ({name.replace('_', ' ')}): {part['tok_s']:.1f} tok/s "
                      f"({part['tokens']} tokens in {part['seconds']:.1f} s)")
@@ -69,6 +70,8 @@ def summary_lines(results: dict) -> list[str]:
             lines.append(f"c={key}: {level['tokens_per_chunk']:.2f} tokens per SSE chunk, "
                          f"TPOT p50 {_fmt(_ms(level['tpot_p50_s']))} ms, usage reported: "
                          f"{level['usage_reported']}")
+        if level.get("server_metrics"):
+            lines.append(_breakdown_line(key, level["server_metrics"]))
         if level.get("errors"):
             lines.append(f"c={key}: errors: {'; '.join(level['errors'])}")
     for name, error in (results.get("errors") or {}).items():
@@ -76,6 +79,14 @@ def summary_lines(results: dict) -> list[str]:
     if results.get("interrupted"):
         lines.append("interrupted: the numbers above are partial")
     return lines
+
+
+def _breakdown_line(key: str, m: dict) -> str:
+    return (f"c={key} server steps: {m['steps']} steps of {m['tokens_per_step']:.1f} tokens, "
+            f"one every {m['step_period_ms']:.1f} ms, worker idle {_fmt(m['worker_idle_ms_per_step'])}"
+            f" ms/step ({_fmt(_pct(m['worker_idle_share']), 0)}% of wall); per request: queue "
+            f"{_fmt(_ms(m['queue_s_mean']), 0)} ms, prefill {_fmt(_ms(m['prefill_s_mean']), 0)} ms, "
+            f"decode {_fmt(m['decode_s_mean'], 2)} s")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -115,6 +126,10 @@ def write_json(results: dict, path: str) -> None:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
+
+
+def _pct(share: float | None) -> float | None:
+    return None if share is None else share * 100
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
