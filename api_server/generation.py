@@ -13,6 +13,7 @@ from typing import AsyncIterator
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.engine_client import EngineClient
 from pipelines.context import TextContext
+from pipelines.response import LogProbabilities
 from pipelines.status import GenerationStatus
 
 
@@ -28,6 +29,10 @@ class ChoiceDelta:
     finish_reason: str | None = None  # set on the last delta of a choice
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # (token id, its log probabilities) for the visible tokens of this delta, when asked for.
+    logprobs: list[tuple[int, LogProbabilities]] | None = None
+    # Echo: log probabilities of prompt tokens 1.. (position 0 has none), when asked for.
+    prompt_logprobs: list[LogProbabilities] | None = None
 
 
 async def stream_choice(
@@ -50,6 +55,10 @@ async def stream_choice(
         visible = tokens
         if finish == "stop" and tokens and tokens[-1] in (stop_ids | eos_ids):
             visible = tokens[:-1]
+        logprobs = None
+        if output.log_probabilities is not None:
+            logprobs = list(zip(visible, output.log_probabilities))
+        prompt_lp = output.prompt_log_probabilities
         text = stops.push(detok.push(visible)) if visible else ""
         if finish is not None and not stops.stopped:
             text += stops.push(detok.flush())
@@ -57,9 +66,11 @@ async def stream_choice(
         if stops.stopped:
             # A stop string ended it: leaving the loop cancels the request in the scheduler.
             engine.end_early(ctx.request_id, "stop")
-            yield ChoiceDelta(index, text, tokens, "stop", len(prompt_ids), completion_tokens)
+            yield ChoiceDelta(index, text, visible, "stop", len(prompt_ids), completion_tokens,
+                              logprobs, prompt_lp)
             return
-        yield ChoiceDelta(index, text, tokens, finish, len(prompt_ids), completion_tokens)
+        yield ChoiceDelta(index, text, visible, finish, len(prompt_ids), completion_tokens,
+                          logprobs, prompt_lp)
         if finish is not None:
             return
     raise GenerationError("the engine stream ended without a final status")
@@ -73,6 +84,35 @@ def _finish_reason(status: GenerationStatus) -> str | None:
     if status is GenerationStatus.CANCELLED:
         return "abort"
     return None
+
+
+def after_first_output(stream: AsyncIterator[ChoiceDelta], started: asyncio.Event,
+                       ) -> AsyncIterator[ChoiceDelta]:
+    """The first choice of a prompt: signals `started` once its prompt has been prefilled."""
+
+    async def run():
+        try:
+            async for delta in stream:
+                started.set()
+                yield delta
+        finally:
+            started.set()
+            await stream.aclose()
+
+    return run()
+
+
+def once_started(stream: AsyncIterator[ChoiceDelta], started: asyncio.Event,
+                 ) -> AsyncIterator[ChoiceDelta]:
+    """A later choice of the same prompt: starts after the first one was prefilled, so its
+    prompt blocks come from the prefix cache and the prompt is prefilled once for all n."""
+
+    async def run():
+        await started.wait()
+        async for delta in stream:
+            yield delta
+
+    return run()
 
 
 async def merge_choices(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:

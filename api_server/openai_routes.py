@@ -14,7 +14,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from api_server.engine_client import EngineClient, EngineDeadError
-from api_server.generation import ChoiceDelta, GenerationError, merge_choices, stream_choice
+from api_server.generation import (
+    ChoiceDelta,
+    GenerationError,
+    after_first_output,
+    merge_choices,
+    once_started,
+    stream_choice,
+)
+from api_server.logprobs_format import CompletionLogprobs, TokenText, chat_logprob_entries
 from api_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +60,7 @@ class OpenAIRoutes:
         self.model_aliases = model_aliases | {model_name}
         self.max_model_len = max_model_len
         self.created = int(time.time())
+        self.token_text = TokenText(tokenizer.delegate)
 
     # ---- /v1/models -------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -75,11 +84,6 @@ class OpenAIRoutes:
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, index: int,
                          ) -> SamplingParams:
-        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", None)):
-            value = getattr(req, name)
-            if value not in (default, None, 1.0 if name == "repetition_penalty" else default):
-                raise RequestError(f"{name} is not supported yet", param=name)
         temperature = 1.0 if req.temperature is None else req.temperature
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -89,92 +93,137 @@ class OpenAIRoutes:
                 top_p=1.0 if req.top_p is None else req.top_p,
                 min_p=req.min_p or 0.0,
                 temperature=temperature,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
                 max_new_tokens=max_tokens,
                 min_new_tokens=req.min_tokens,
                 ignore_eos=req.ignore_eos,
                 stop=stop or None,
-                stop_token_ids=req.stop_token_ids,
+                stop_token_ids=self._check_token_ids(req.stop_token_ids, "stop_token_ids"),
                 seed=(seed + index) % (1 << 63),  # each choice its own stream
+                logit_bias=self._logit_bias(req.logit_bias),
             )
         except SamplingParamsError as exc:
             raise RequestError(str(exc), param=exc.param) from None
 
+    def _check_token_ids(self, ids: list[int] | None, param: str) -> list[int] | None:
+        if ids and not all(0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise RequestError(f"{param} holds token ids outside the vocabulary", param=param)
+        return ids
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        parsed = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias key {key!r} is not a token id",
+                                   param="logit_bias") from None
+            if not 0 <= token < self.tokenizer.vocab_size:
+                raise RequestError(f"logit_bias token {token} is outside the vocabulary",
+                                   param="logit_bias")
+            if not -100 <= value <= 100:
+                raise RequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
+            parsed[token] = float(value)
+        return parsed
+
+    def _streams(self, contexts, req: SamplingFields, n: int) -> list[AsyncIterator[ChoiceDelta]]:
+        """One stream per choice. Of the n choices of a prompt, the first runs at once and the
+        others start once it has prefilled, reusing its prompt blocks from the prefix cache."""
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        streams = []
+        started: asyncio.Event | None = None
+        for i, ctx in enumerate(contexts):
+            stream = stream_choice(self.engine, ctx, self.tokenizer.delegate, i, stop,
+                                   req.skip_special_tokens)
+            if n > 1 and i % n == 0:
+                started = asyncio.Event()
+                stream = after_first_output(stream, started)
+            elif n > 1:
+                stream = once_started(stream, started)
+            streams.append(stream)
+        return streams
+
     async def _contexts(self, make_request: Callable[[int], TokenGeneratorRequest], count: int):
         return [await self.tokenizer.new_context(make_request(i)) for i in range(count)]
-
-    def _streams(self, contexts, req: SamplingFields) -> list[AsyncIterator[ChoiceDelta]]:
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return [stream_choice(self.engine, ctx, self.tokenizer.delegate, i, stop,
-                              req.skip_special_tokens) for i, ctx in enumerate(contexts)]
 
     # ---- /v1/completions --------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         try:
             req = decode_body(await request.body(), CompletionRequest)
             self._check_model(req.model)
-            for name in ("logprobs", "suffix"):
-                if getattr(req, name):
-                    raise RequestError(f"{name} is not supported yet", param=name)
-            if req.echo:
-                raise RequestError("echo is not supported yet", param="echo")
+            if req.suffix:
+                raise RequestError("suffix is not supported", param="suffix")
             self._check_engine()
             prompts = prompts_of(req)
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-            if max_tokens == 0:
-                raise RequestError("max_tokens must be at least 1", param="max_tokens")
+            if max_tokens == 0 and not req.echo:
+                raise RequestError("max_tokens=0 only makes sense with echo", param="max_tokens")
             request_id = uuid.uuid4().hex
             n = req.n
+            wants_logprobs = req.logprobs is not None
             contexts = await self._contexts(lambda i: TokenGeneratorRequest(
                 id=f"{request_id}-{i}", index=i, model_name=self.model_name,
                 prompt=prompts[i // n], request_path="/v1/completions",
                 timestamp_ns=time.time_ns(),
+                logprobs=max(1, req.logprobs) if wants_logprobs else 0,
+                echo=bool(req.echo and wants_logprobs),
                 sampling_params=self._sampling_params(req, max_tokens, i),
             ), len(prompts) * n)
         except RequestError as exc:
             return error_response(exc)
-        streams = self._streams(contexts, req)
+        streams = self._streams(contexts, req, n)
+        choices = [_CompletionChoice(self, ctx, req) for ctx in contexts]
         response_id = f"cmpl-{request_id}"
         if req.stream:
-            return self._sse(self._completion_chunks(response_id, streams, req), request)
-        return await self._collect(request, self._completion_body(response_id, streams, req.n))
+            return self._sse(self._completion_chunks(response_id, streams, choices, req), request)
+        return await self._collect(request, self._completion_body(response_id, streams, choices, n))
 
-    async def _completion_chunks(self, response_id: str, streams, req: CompletionRequest):
+    async def _completion_chunks(self, response_id, streams, choices, req: CompletionRequest):
         created = int(time.time())
         usage = _Usage(req.n)
+
+        def chunk(index: int, text: str, logprobs, finish) -> dict:
+            return {"id": response_id, "object": "text_completion", "created": created,
+                    "model": self.model_name,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                 "finish_reason": finish}]}
+
         async for d in merge_choices(streams):
             usage.add(d)
-            if d.text or d.finish_reason:
-                yield {"id": response_id, "object": "text_completion", "created": created,
-                       "model": self.model_name,
-                       "choices": [{"index": d.index, "text": d.text, "logprobs": None,
-                                    "finish_reason": d.finish_reason}]}
+            text, logprobs = choices[d.index].add(d)
+            if text or d.finish_reason or (logprobs and logprobs["tokens"]):
+                yield chunk(d.index, text, logprobs, d.finish_reason)
         if req.stream_options and req.stream_options.include_usage:
             yield {"id": response_id, "object": "text_completion", "created": created,
                    "model": self.model_name, "choices": [], "usage": usage.body()}
 
-    async def _completion_body(self, response_id: str, streams, n: int) -> dict:
-        texts: dict[int, list[str]] = {}
-        finish: dict[int, str] = {}
+    async def _completion_body(self, response_id: str, streams, choices, n: int) -> dict:
         usage = _Usage(n)
+        texts = [[] for _ in choices]
+        finish: dict[int, str] = {}
         async for d in merge_choices(streams):
             usage.add(d)
-            texts.setdefault(d.index, []).append(d.text)
+            texts[d.index].append(choices[d.index].add(d)[0])
             if d.finish_reason:
                 finish[d.index] = d.finish_reason
-        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": None,
-                    "finish_reason": finish.get(i)} for i in sorted(texts)]
+        body = [{"index": i, "text": "".join(texts[i]), "logprobs": choices[i].all_logprobs(),
+                 "finish_reason": finish.get(i)} for i in range(len(choices))]
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage.body()}
+                "model": self.model_name, "choices": body, "usage": usage.body()}
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         try:
             req = decode_body(await request.body(), ChatCompletionRequest)
             self._check_model(req.model)
-            if req.logprobs:
-                raise RequestError("logprobs is not supported yet", param="logprobs")
             if not req.messages:
                 raise RequestError("messages must not be empty", param="messages")
+            if req.top_logprobs and not req.logprobs:
+                raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
             self._check_engine()
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
                 else req.max_tokens
@@ -189,49 +238,60 @@ class OpenAIRoutes:
                 id=f"{request_id}-{i}", index=i, model_name=self.model_name,
                 messages=messages, request_path="/v1/chat/completions",
                 timestamp_ns=time.time_ns(), chat_template_options=options,
+                logprobs=max(1, req.top_logprobs or 0) if req.logprobs else 0,
                 sampling_params=self._sampling_params(req, max_tokens, i),
             ), req.n)
         except RequestError as exc:
             return error_response(exc)
-        streams = self._streams(contexts, req)
+        streams = self._streams(contexts, req, req.n)
         response_id = f"chatcmpl-{request_id}"
         if req.stream:
             return self._sse(self._chat_chunks(response_id, streams, req), request)
-        return await self._collect(request, self._chat_body(response_id, streams, req.n))
+        return await self._collect(request, self._chat_body(response_id, streams, req))
+
+    def _chat_logprobs(self, d: ChoiceDelta, req: ChatCompletionRequest) -> list[dict] | None:
+        if not req.logprobs or d.logprobs is None:
+            return None
+        return chat_logprob_entries(self.token_text, d.logprobs, req.top_logprobs or 0)
 
     async def _chat_chunks(self, response_id: str, streams, req: ChatCompletionRequest):
         created = int(time.time())
         usage = _Usage(req.n)
 
-        def chunk(index: int, delta: dict, finish: str | None) -> dict:
+        def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
             return {"id": response_id, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None,
+                    "choices": [{"index": index, "delta": delta,
+                                 "logprobs": None if logprobs is None else {"content": logprobs},
                                  "finish_reason": finish}]}
 
         for i in range(len(streams)):
             yield chunk(i, {"role": "assistant", "content": ""}, None)
         async for d in merge_choices(streams):
             usage.add(d)
-            if d.text:
-                yield chunk(d.index, {"content": d.text}, None)
+            logprobs = self._chat_logprobs(d, req)
+            if d.text or logprobs:
+                yield chunk(d.index, {"content": d.text}, None, logprobs)
             if d.finish_reason:
                 yield chunk(d.index, {}, d.finish_reason)
         if req.stream_options and req.stream_options.include_usage:
             yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
                    "model": self.model_name, "choices": [], "usage": usage.body()}
 
-    async def _chat_body(self, response_id: str, streams, n: int) -> dict:
-        texts: dict[int, list[str]] = {}
+    async def _chat_body(self, response_id: str, streams, req: ChatCompletionRequest) -> dict:
+        texts: dict[int, list[str]] = {i: [] for i in range(len(streams))}
+        logprobs: dict[int, list[dict]] = {i: [] for i in range(len(streams))}
         finish: dict[int, str] = {}
-        usage = _Usage(n)
+        usage = _Usage(req.n)
         async for d in merge_choices(streams):
             usage.add(d)
-            texts.setdefault(d.index, []).append(d.text)
+            texts[d.index].append(d.text)
+            logprobs[d.index].extend(self._chat_logprobs(d, req) or [])
             if d.finish_reason:
                 finish[d.index] = d.finish_reason
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                    "logprobs": None, "finish_reason": finish.get(i)} for i in sorted(texts)]
+                    "logprobs": {"content": logprobs[i]} if req.logprobs else None,
+                    "finish_reason": finish.get(i)} for i in sorted(texts)]
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage.body()}
 
@@ -297,3 +357,44 @@ class _Usage:
         completion = sum(self.completion.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
+
+
+class _CompletionChoice:
+    """Per-choice state of a completion: the echoed prompt, and the logprobs so far."""
+
+    def __init__(self, routes: OpenAIRoutes, ctx, req: CompletionRequest) -> None:
+        self.prompt = ctx.prompt_tokens.tolist()
+        self.echo = bool(req.echo)
+        self.echoed = False
+        self.prompt_text = ""
+        if self.echo:
+            self.prompt_text = routes.tokenizer.delegate.decode(
+                self.prompt, skip_special_tokens=req.skip_special_tokens)
+        self.logprobs = None
+        self.all: dict | None = None
+        self.prompt_done = 1  # prompt position 0 has no log probability
+        if req.logprobs is not None:
+            self.logprobs = CompletionLogprobs(routes.token_text, req.logprobs)
+            self.all = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(self, d: ChoiceDelta) -> tuple[str, dict | None]:
+        text = d.text
+        if self.echo and not self.echoed:
+            self.echoed = True
+            text = self.prompt_text + text
+            if self.logprobs is not None:
+                self.logprobs.add_first_prompt_token(self.prompt[0])
+        if self.logprobs is None:
+            return text, None
+        for token_id, lp in zip(self.prompt[self.prompt_done:], d.prompt_logprobs or ()):
+            self.logprobs.add(token_id, lp)
+            self.prompt_done += 1
+        for token_id, lp in d.logprobs or ():
+            self.logprobs.add(token_id, lp)
+        part = self.logprobs.take()
+        for key, values in part.items():
+            self.all[key].extend(values)
+        return text, part
+
+    def all_logprobs(self) -> dict | None:
+        return self.all

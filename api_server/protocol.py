@@ -41,6 +41,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = 0.0
     seed: int | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
     # Extensions, as vLLM names them.
     top_k: int | None = None
     min_p: Probability | None = None

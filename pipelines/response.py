@@ -46,6 +46,9 @@ class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     # Set on the final output: the scheduler's view of the request's life, for metrics.
     timings: RequestTimings | None = None
+    # Echo: log probabilities of prompt tokens resolved since the previous output, one entry
+    # per token from prompt position 1 on, in order.
+    prompt_log_probabilities: list[LogProbabilities] | None = None
 
     @property
     def is_done(self) -> bool:

@@ -26,6 +26,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     detokenize: bool = True
     seed: int = 0
+    # Extension (OpenAI's logit_bias): added to the token's logit before sampling.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Each check names the field so the API can return it as the offending `param`.

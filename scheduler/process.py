@@ -168,7 +168,7 @@ class SchedulerLoop:
         if result.error is not None:
             outputs = self.scheduler.fail_step(step, result.error)
         else:
-            outputs, _stats = self.scheduler.update(step, result.sampled_token_ids)
+            outputs, _stats = self.scheduler.update(step, result)
         self._send_outputs(outputs)
 
     def _send_outputs(self, outputs: list) -> None:

@@ -15,14 +15,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from pipelines.context import TextContext
-from pipelines.response import RequestTimings, TextGenerationOutput
+from pipelines.response import LogProbabilities, RequestTimings, TextGenerationOutput
 from pipelines.status import GenerationStatus
 from scheduler.block_manager import BlockManager
 from scheduler.step_builder import build_step_batch
-from serialization.messages import NewRequest, SchedulerStats, StepBatch
+from serialization.messages import NewRequest, SchedulerStats, StepBatch, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +64,7 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.timings: dict[str, RequestTimings] = {}
+        self._prompt_logprobs: dict[str, list[LogProbabilities]] = {}
 
     # ---- request lifecycle ------------------------------------------------------------------
     def add_request(self, ctx: TextContext) -> None:
@@ -86,6 +86,7 @@ class Scheduler:
     def _finish(self, ctx: TextContext) -> RequestTimings | None:
         self.requests.pop(ctx.request_id, None)
         timings = self.timings.pop(ctx.request_id, None)
+        self._prompt_logprobs.pop(ctx.request_id, None)
         if timings is not None:
             timings.finished = time.monotonic()
         if ctx in self.running:
@@ -132,7 +133,8 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             ctx = self.waiting[0]
             cached = []
-            if ctx.start_idx == 0:
+            if ctx.start_idx == 0 and not ctx.log_probabilities_echo:
+                # (Echo needs logits at every prompt position: nothing may be skipped.)
                 cached = self.blocks.find_cached_prefix(ctx.all_tokens)
             start = len(cached) * self.blocks.block_size if cached else ctx.start_idx
             n = min(ctx.end_idx - start, budget)
@@ -168,7 +170,7 @@ class Scheduler:
                 timings.first_scheduled = now
             if ctx.request_id not in self._known_to_worker:
                 self._known_to_worker.add(ctx.request_id)
-                new_requests.append(NewRequest(ctx.request_id, ctx.sampling_params))
+                new_requests.append(new_request_for_worker(ctx))
         batch = build_step_batch(
             self._next_step_id,
             contexts,
@@ -181,10 +183,14 @@ class Scheduler:
         self._next_step_id += 1
         return ScheduledStep(batch, contexts)
 
-    def update(self, step: ScheduledStep, sampled: np.ndarray) -> tuple[list[TextGenerationOutput], StepStats]:
-        """Apply a step's sampled tokens; returns the outputs to send to the API process."""
+    def update(self, step: ScheduledStep, result: StepResult,
+               ) -> tuple[list[TextGenerationOutput], StepStats]:
+        """Apply a step's results; returns the outputs to send to the API process."""
         outputs: list[TextGenerationOutput] = []
         stats = StepStats()
+        sampled = result.sampled_token_ids
+        logprobs = sampled_logprobs_by_seq(result)
+        prompt_logprobs = prompt_logprobs_by_seq(result)
         for i, ctx in enumerate(step.contexts):
             if ctx.request_id not in self.requests:  # aborted while the step ran
                 continue
@@ -192,23 +198,30 @@ class Scheduler:
             if ctx.is_initial_prompt:
                 stats.num_prompt_tokens += n
             if step.batch.sample[i]:
-                ctx.update(int(sampled[i]))
+                ctx.update(int(sampled[i]), logprobs.get(i))
                 stats.num_generation_tokens += 1
                 timings = self.timings[ctx.request_id]
                 if not timings.first_token:
                     timings.first_token = time.monotonic()
             else:
                 ctx.set_token_indices(start_idx=ctx.active_idx, active_idx=ctx.end_idx)
+                if ctx.start_idx == ctx.end_idx and ctx.end_idx >= ctx.max_length:
+                    # Prompt-only request (max_tokens=0, e.g. scoring with echo): done.
+                    ctx.status = GenerationStatus.MAXIMUM_LENGTH
             self.blocks.register_full_blocks(ctx.request_id, ctx.tokens, ctx.start_idx)
             if ctx.end_idx >= self.config.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
+            if i in prompt_logprobs:
+                self._prompt_logprobs.setdefault(ctx.request_id, []).extend(prompt_logprobs[i])
+            prompt_lp = self._prompt_logprobs.pop(ctx.request_id, None)
             timings = None
             if ctx.is_done:
                 stats.finished.append(ctx)
                 timings = self._finish(ctx)
-            if step.batch.sample[i]:
+            if step.batch.sample[i] or ctx.is_done or prompt_lp:
                 output = ctx.to_generation_output()
                 output.timings = timings
+                output.prompt_log_probabilities = prompt_lp
                 outputs.append(output)
         self.prompt_tokens_total += stats.num_prompt_tokens
         self.generation_tokens_total += stats.num_generation_tokens
@@ -237,3 +250,37 @@ class Scheduler:
                     request_id=ctx.request_id, tokens=[], final_status=GenerationStatus.ERROR,
                     error=message, timings=timings))
         return outputs
+
+
+def new_request_for_worker(ctx: TextContext) -> NewRequest:
+    params = ctx.sampling_params
+    return NewRequest(
+        request_id=ctx.request_id,
+        sampling_params=params,
+        eos_token_ids=[] if ctx.ignore_eos else sorted(ctx.eos_token_ids),
+        logprobs=ctx.log_probabilities,
+        echo_logprobs=ctx.log_probabilities_echo,
+        prompt_len=ctx.prompt_length,
+        prompt_token_ids=ctx.prompt_tokens.copy() if params.repetition_penalty != 1.0 else None,
+    )
+
+
+def to_log_probabilities(lp: TokenLogprobs, row: int) -> LogProbabilities:
+    top = dict(zip(lp.top_token_ids[row].tolist(), lp.top_logprobs[row].tolist()))
+    return LogProbabilities([float(lp.token_logprobs[row])], [top])
+
+
+def sampled_logprobs_by_seq(result: StepResult) -> dict[int, LogProbabilities]:
+    if result.sampled_logprobs is None:
+        return {}
+    return {seq: to_log_probabilities(result.sampled_logprobs, row)
+            for row, seq in enumerate(result.logprob_seqs)}
+
+
+def prompt_logprobs_by_seq(result: StepResult) -> dict[int, list[LogProbabilities]]:
+    by_seq: dict[int, list[LogProbabilities]] = {}
+    for part in result.prompt_logprobs:
+        entries = by_seq.setdefault(part.seq, [])
+        entries.extend(to_log_probabilities(part.logprobs, r)
+                       for r in range(len(part.logprobs.token_logprobs)))
+    return by_seq

@@ -28,7 +28,9 @@ def build_step_batch(
         chunks.append(ctx.next_tokens)
         query_lens[i] = n
         seq_lens[i] = ctx.active_idx
-        sample[i] = ctx.active_idx == ctx.end_idx
+        # Sample once the whole sequence is fed, unless there is no room left to generate
+        # (max_tokens=0: the request only scores its prompt).
+        sample[i] = ctx.active_idx == ctx.end_idx and ctx.end_idx < ctx.max_length
     width = max((len(t) for t in block_tables), default=0)
     tables = np.full((count, width), -1, dtype=np.int32)
     for i, table in enumerate(block_tables):

@@ -61,11 +61,37 @@ class SchedulerFailed(msgspec.Struct, tag=True):
     message: str
 
 
-class NewRequest(msgspec.Struct, array_like=True):
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """Sent once, the first step a request is scheduled; the worker keeps it until finished."""
 
     request_id: str
     sampling_params: SamplingParams
+    # EOS ids that count as stops (empty with ignore_eos): masked until min_new_tokens.
+    eos_token_ids: list[int] = []
+    # Top-N log probabilities per sampled token; 0: none.
+    logprobs: int = 0
+    # Log probabilities of the prompt tokens too (OpenAI's `echo` with `logprobs`).
+    echo_logprobs: bool = False
+    prompt_len: int = 0
+    # Only sent when the repetition penalty needs them.
+    prompt_token_ids: np.ndarray | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log probabilities of a run of tokens: the token's own and the top-N alternatives."""
+
+    token_logprobs: np.ndarray  # float32 [n]
+    top_token_ids: np.ndarray  # int32 [n, N]
+    top_logprobs: np.ndarray  # float32 [n, N]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Prompt-token log probabilities resolved in one step, for sequence `seq` of the step,
+    starting at prompt position `start` (position 0 never has one)."""
+
+    seq: int
+    start: int
+    logprobs: TokenLogprobs
 
 
 class StepBatch(msgspec.Struct, tag=True):
@@ -93,9 +119,14 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-class StepResult(msgspec.Struct, tag=True):
+class StepResult(msgspec.Struct, tag=True, omit_defaults=True):
     step_id: int
     sampled_token_ids: np.ndarray  # int32 [num_seqs], -1 where nothing was sampled
+    # For the sequences that asked: log probabilities of the sampled tokens (rows of the
+    # sequences in `logprob_seqs` order), and of prompt tokens (echo).
+    logprob_seqs: list[int] = []
+    sampled_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[PromptLogprobs] = []
     started_at: float = 0.0  # worker received the step
     finished_at: float = 0.0  # worker sent the result
     error: str | None = None

@@ -5,6 +5,7 @@ import numpy as np
 from pipelines import GenerationStatus, SamplingParams, TextContext
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from serialization.messages import StepResult
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256, prefix=True):
@@ -24,7 +25,7 @@ def run_step(s):
     if step is None:
         return None, []
     sampled = np.where(step.batch.sample, 1000 + step.batch.step_id, -1).astype(np.int32)
-    outputs, _ = s.update(step, sampled)
+    outputs, _ = s.update(step, StepResult(step_id=step.batch.step_id, sampled_token_ids=sampled))
     return step, outputs
 
 

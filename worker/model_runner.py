@@ -8,11 +8,13 @@ import time
 import numpy as np
 import torch
 
-from serialization.messages import StepBatch
+from serialization.messages import StepBatch, StepResult
 from worker.attention import build_attention_metadata
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.llama import LlamaForCausalLM
+from worker.logits_processors import process_logits
+from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.sampler import RequestSamplingState, sample
 from worker.weights import load_checkpoint_weights
 
@@ -56,30 +58,48 @@ class ModelRunner:
     def eos_token_ids(self) -> list[int]:
         return self.config.eos_token_ids
 
-    def execute(self, step: StepBatch) -> np.ndarray:
-        """Run the step's forward pass; returns the sampled token per sequence (-1: none)."""
+    def execute(self, step: StepBatch) -> StepResult:
+        """Run the step's forward pass, sample, and compute the log probabilities asked for."""
         for new in step.new_requests:
-            self.requests[new.request_id] = RequestSamplingState.create(new.sampling_params)
+            self.requests[new.request_id] = RequestSamplingState.create(
+                new.sampling_params, new.eos_token_ids, new.sampling_params.logit_bias,
+                new.logprobs, new.prompt_token_ids, new.echo_logprobs, new.prompt_len)
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
 
         num_seqs = len(step.request_ids)
-        sampled = np.full(num_seqs, -1, dtype=np.int32)
+        out = StepResult(step_id=step.step_id,
+                         sampled_token_ids=np.full(num_seqs, -1, dtype=np.int32))
         if num_seqs == 0:
-            return sampled
+            return out
+        states = [self.requests[rid] for rid in step.request_ids]
         meta = build_attention_metadata(
             step.query_lens, step.seq_lens, step.block_tables, self.block_size
         )
         sample_seqs = np.flatnonzero(step.sample)
         last_rows = np.cumsum(step.query_lens.astype(np.int64)) - 1
-        logits_rows = torch.from_numpy(last_rows[sample_seqs])
+        echo_plans = plan_echo(step, states)
+        rows = [last_rows[sample_seqs]] + [p.rows for p in echo_plans]
+        logits_rows = torch.from_numpy(np.concatenate(rows))
         input_ids = torch.from_numpy(step.input_ids.astype(np.int64))
         with torch.inference_mode():
             logits = self.model(input_ids, meta, self.kv_cache, logits_rows)
+            sample_logits = logits[: len(sample_seqs)]
+            if echo_plans:
+                out.prompt_logprobs = resolve_echo(echo_plans, logits[len(sample_seqs):], states)
             if len(sample_seqs):
-                states = [self.requests[step.request_ids[i]] for i in sample_seqs]
-                sampled[sample_seqs] = sample(logits, states).numpy()
-        return sampled
+                batch_states = [states[i] for i in sample_seqs]
+                wants_logprobs = [j for j, st in enumerate(batch_states) if st.logprobs]
+                raw = sample_logits[wants_logprobs].clone() if wants_logprobs else None
+                tokens = sample(process_logits(sample_logits, batch_states), batch_states)
+                out.sampled_token_ids[sample_seqs] = tokens.numpy()
+                for st, token in zip(batch_states, tokens.tolist()):
+                    st.output_tokens.append(token)
+                if wants_logprobs:
+                    top_n = max(batch_states[j].logprobs for j in wants_logprobs)
+                    out.logprob_seqs = [int(sample_seqs[j]) for j in wants_logprobs]
+                    out.sampled_logprobs = token_logprobs(raw, tokens[wants_logprobs], top_n)
+        return out
 
 
 def _build_model(

@@ -12,7 +12,7 @@ from pipelines.context import TextContext
 from pipelines.response import TextResponse
 from scheduler.block_manager import BlockManager
 from scheduler.step_builder import build_step_batch
-from serialization.messages import NewRequest
+from scheduler.scheduler import new_request_for_worker
 from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 
@@ -40,8 +40,7 @@ class TextGenerationPipeline:
                 break
             for ctx in contexts:
                 self._reserve(ctx)
-            new = [NewRequest(c.request_id, c.sampling_params) for c in contexts
-                   if c.request_id not in self._known]
+            new = [new_request_for_worker(c) for c in contexts if c.request_id not in self._known]
             self._known.update(c.request_id for c in contexts)
             step = build_step_batch(
                 self._step_id, contexts, [c.end_idx - c.start_idx for c in contexts],
@@ -49,7 +48,7 @@ class TextGenerationPipeline:
             )
             self._released = []
             self._step_id += 1
-            sampled = self.runner.execute(step)
+            sampled = self.runner.execute(step).sampled_token_ids
             step_out = {}
             for i, ctx in enumerate(contexts):
                 token = int(sampled[i])

@@ -65,9 +65,8 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
         if isinstance(msg, Shutdown):
             break
         try:
-            sampled = runner.execute(msg)
-            result = StepResult(step_id=msg.step_id, sampled_token_ids=sampled,
-                                started_at=started, finished_at=time.monotonic())
+            result = runner.execute(msg)
+            result.started_at, result.finished_at = started, time.monotonic()
         except Exception as exc:
             logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
             result = StepResult(step_id=msg.step_id, sampled_token_ids=sampled_none(msg),

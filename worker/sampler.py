@@ -6,8 +6,9 @@ same seed gives the same tokens whatever else shares the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pipelines.sampling_params import SamplingParams
@@ -15,14 +16,49 @@ from pipelines.sampling_params import SamplingParams
 
 @dataclass
 class RequestSamplingState:
+    """What the worker keeps per request between steps."""
+
     params: SamplingParams
     generator: torch.Generator
+    output_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: torch.Tensor | None = None  # only kept for the repetition penalty
+    stop_ids: torch.Tensor | None = None  # EOS and stop ids, masked until min_tokens
+    logit_bias_ids: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
+    logprobs: int = 0  # top-N log probabilities per sampled token (0: none)
+    # Prompt log probabilities (echo): the next prompt position due, and a row carried
+    # over from the previous prefill chunk.
+    echo_logprobs: bool = False
+    prompt_len: int = 0
+    echo_next: int = 1
+    echo_carry: torch.Tensor | None = None
 
     @classmethod
-    def create(cls, params: SamplingParams) -> "RequestSamplingState":
+    def create(cls, params: SamplingParams, eos_token_ids: list[int] = (),
+               logit_bias: dict[int, float] | None = None, logprobs: int = 0,
+               prompt_tokens: np.ndarray | None = None, echo_logprobs: bool = False,
+               prompt_len: int = 0) -> "RequestSamplingState":
         generator = torch.Generator()
         generator.manual_seed(params.seed)
-        return cls(params, generator)
+        state = cls(params, generator, logprobs=logprobs, echo_logprobs=echo_logprobs,
+                    prompt_len=prompt_len)
+        stop_ids = sorted(set(eos_token_ids) | set(params.stop_token_ids or ()))
+        if params.min_new_tokens and stop_ids:
+            state.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
+        if logit_bias:
+            state.logit_bias_ids = torch.tensor(list(logit_bias), dtype=torch.long)
+            state.logit_bias_values = torch.tensor(list(logit_bias.values()), dtype=torch.float32)
+        if prompt_tokens is not None and params.repetition_penalty != 1.0:
+            state.prompt_tokens = torch.from_numpy(np.asarray(prompt_tokens, dtype=np.int64))
+        return state
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    def masked_until_min_tokens(self) -> bool:
+        return self.stop_ids is not None and len(self.output_tokens) < self.params.min_new_tokens
 
 
 def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
