@@ -65,7 +65,7 @@ class InterferenceMonitor:
         before, then = _read_procs(), time.monotonic()
         while not self._stop.wait(self.interval):
             after, now = _read_procs(), time.monotonic()
-            ticks = sum(t - before.get(pid, (0, t))[1] for pid, (_, t) in after.items()
+            ticks = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items()
                         if not _ours(pid, after, root))
             self.samples.setdefault(self.phase, []).append(ticks / TICKS / (now - then))
             before, then = after, now

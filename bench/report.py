@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from bench.interference import tainted_phases
 from bench.stats import ratio
 
 COLUMNS = [  # (header, width)
@@ -74,6 +75,10 @@ def summary_lines(results: dict) -> list[str]:
             lines.append(_breakdown_line(key, level["server_metrics"]))
         if level.get("errors"):
             lines.append(f"c={key}: errors: {'; '.join(level['errors'])}")
+    interference = results.get("interference") or {}
+    for phase in tainted_phases(interference):
+        lines.append(f"WARNING: other processes used {interference[phase]['foreign_cpu_cores_mean']:.2f}"
+                     f" cores on average during the {phase} phase: its numbers are too low")
     for name, error in (results.get("errors") or {}).items():
         lines.append(f"{name} FAILED: {error}")
     if results.get("interrupted"):

@@ -18,6 +18,7 @@ import time
 
 from bench.endpoint import NotLoopbackError, loopback_base_url, served_model
 from bench.environment import busy_warning, describe_environment
+from bench.interference import InterferenceMonitor, wait_until_idle
 from bench.report import render, write_json
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after which a level sends no new request")
     p.add_argument("--baseline-batch", type=int, default=16)
     p.add_argument("--baseline-requests", type=int, default=3)
+    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="before each phase, wait up to this long for other processes to leave "
+                        "the CPUs alone")
     p.add_argument("--out", default=None, help="JSON path; default bench/results/<time>.json")
     return p
 
@@ -150,40 +154,49 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench: error: {exc}", file=sys.stderr)
             return 2
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = args.out or os.path.join(RESULTS_DIR, f"{stamp}.json")
+    out = args.out or os.path.join(RESULTS_DIR, time.strftime("%Y%m%d-%H%M%S") + ".json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     env = describe_environment(REPO_DIR)
     if warning := busy_warning(env):
         log(warning)
     results = {"config": _config(args), "environment": env}
     status = 0
-    try:
-        needs_dir = not (args.skip_ceiling and args.skip_baseline and (args.skip_server or args.url))
-        model_dir = resolve_model_dir(args) if needs_dir else None
-        results["config"]["model_dir"] = model_dir
-        server_log = os.path.splitext(out)[0] + ".server.log"
-        if not args.skip_server:
-            results["server"] = {}  # filled level by level
-        phases = [
-            ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir)),
-            ("server", args.skip_server,
-             lambda: run_server_phase(args, model_dir, server_log, results["server"])),
-            ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir)),
-        ]
-        for name, skip, phase in phases:
-            if not skip:
-                _run_phase(results, name, phase)
-    except KeyboardInterrupt:
-        log("bench: interrupted; reporting what was measured")
-        results["interrupted"] = True
-        status = 130
+    with InterferenceMonitor() as monitor:
+        try:
+            _run_phases(args, results, os.path.splitext(out)[0] + ".server.log", monitor)
+        except KeyboardInterrupt:
+            log("bench: interrupted; reporting what was measured")
+            results["interrupted"] = True
+            status = 130
+    results["interference"] = monitor.summary()
     results["config"]["model_name"] = _model_name(results)
     print(render(results), flush=True)
     write_json(results, out)
-    if results.get("errors"):
-        status = status or 1
     log(f"bench: wrote {out}")
-    return status
+    return status or (1 if results.get("errors") else 0)
+
+
+def _run_phases(args, results: dict, server_log: str, monitor: InterferenceMonitor) -> None:
+    needs_dir = not (args.skip_ceiling and args.skip_baseline and (args.skip_server or args.url))
+    model_dir = resolve_model_dir(args) if needs_dir else None
+    results["config"]["model_dir"] = model_dir
+    if not args.skip_server:
+        results["server"] = {}  # filled level by level
+    phases = [
+        ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir)),
+        ("server", args.skip_server,
+         lambda: run_server_phase(args, model_dir, server_log, results["server"])),
+        ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir)),
+    ]
+    for name, skip, phase in phases:
+        if skip:
+            continue
+        if args.wait_idle:
+            monitor.mark("waiting")
+            wait_until_idle(args.wait_idle, log)
+        monitor.mark(name)
+        _run_phase(results, name, phase)
+    monitor.mark("done")
 
 
 def _run_phase(results: dict, name: str, phase) -> None:
@@ -201,7 +214,7 @@ def _config(args) -> dict:
             "concurrency": args.concurrency, "url": args.url, "serve_args": args.serve_args,
             "chunk_tokens": chunk_tokens(args), "requests_per_client": args.requests_per_client,
             "level_timeout_s": args.level_timeout, "baseline_batch": args.baseline_batch,
-            "baseline_requests": args.baseline_requests}
+            "baseline_requests": args.baseline_requests, "wait_idle_s": args.wait_idle}
 
 
 def _model_name(results: dict) -> str:
