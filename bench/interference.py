@@ -44,6 +44,7 @@ class InterferenceMonitor:
         self.interval = interval
         self.phase = "setup"
         self.samples: dict[str, list[float]] = {}
+        self.latest: float | None = None  # foreign cores in the last interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="interference", daemon=True)
 
@@ -57,6 +58,10 @@ class InterferenceMonitor:
         if self._thread.is_alive():
             self._thread.join(5)
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def mark(self, phase: str) -> None:
         self.phase = phase
 
@@ -67,7 +72,8 @@ class InterferenceMonitor:
             after, now = _read_procs(), time.monotonic()
             ticks = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items()
                         if not _ours(pid, after, root))
-            self.samples.setdefault(self.phase, []).append(ticks / TICKS / (now - then))
+            self.latest = ticks / TICKS / (now - then)
+            self.samples.setdefault(self.phase, []).append(self.latest)
             before, then = after, now
 
     def summary(self) -> dict:
@@ -76,20 +82,31 @@ class InterferenceMonitor:
                 for phase, s in self.samples.items() if s}
 
 
+UNMEASURED = {"setup", "waiting", "done"}
+
+
 def tainted_phases(summary: dict) -> list[str]:
     return [p for p, s in summary.items()
-            if p != "setup" and s["foreign_cpu_cores_mean"] > WARN_CORES]
+            if p not in UNMEASURED and s["foreign_cpu_cores_mean"] > WARN_CORES]
 
 
-def wait_until_idle(timeout: float, log, threshold: float = 0.15) -> bool:
-    """Before a phase: wait (up to `timeout` s) for the machine to be quiet; True if it is."""
+def wait_until_idle(timeout: float, log, monitor: InterferenceMonitor | None = None,
+                    threshold: float = 0.1, quiet_for: int = 3) -> bool:
+    """Before a phase: wait (up to `timeout` s) until other processes have used less than
+    `threshold` cores for `quiet_for` seconds in a row; True if they did. Our own processes
+    (an idle loom between levels) do not count when the monitor is running."""
     deadline = time.monotonic() + timeout
-    while True:
-        busy = cpu_busy_share(1.0)
-        if busy is None or busy < threshold:
-            return True
+    quiet = 0
+    while quiet < quiet_for:
+        if monitor is not None and monitor.running:
+            time.sleep(monitor.interval)
+            busy = monitor.latest or 0.0
+        else:
+            busy = (cpu_busy_share(1.0) or 0.0) * (os.cpu_count() or 1)
+        quiet = quiet + 1 if busy < threshold else 0
         if time.monotonic() >= deadline:
-            log(f"bench: CPUs still {busy:.0%} busy after waiting {timeout:.0f}s; going on")
+            log(f"bench: other processes still use {busy:.1f} cores after {timeout:.0f}s; going on")
             return False
-        log(f"bench: CPUs {busy:.0%} busy with something else; waiting")
-        time.sleep(4.0)
+        if busy >= threshold and int(time.monotonic()) % 10 == 0:
+            log(f"bench: other processes use {busy:.1f} cores; waiting")
+    return True

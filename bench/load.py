@@ -37,9 +37,11 @@ def requests_for(cfg: LoadConfig, concurrency: int) -> int:
     return max(cfg.requests_per_client * concurrency, cfg.min_requests)
 
 
-async def run_load(cfg: LoadConfig, levels: dict, log=print) -> None:
+async def run_load(cfg: LoadConfig, levels: dict, log=print,
+                   before_level=lambda concurrency: None) -> None:
     """Runs every level, adding each one's summary to `levels` (keyed by concurrency) as soon
-    as it ends."""
+    as it ends. `before_level(c)` runs between levels (the CLI waits for a quiet machine and
+    labels the interference monitor there); it may block, nothing else is in flight."""
     prompts = PromptSource(cfg.prompt_len)
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.level_timeout + cfg.grace, connect=10.0)
@@ -47,6 +49,7 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print) -> None:
         # One request first, not counted: the server's first step pays one-time costs.
         await _warm_up(client, cfg, prompts)
         for c in cfg.concurrency:
+            before_level(c)
             before = await scrape(client, cfg.base_url)
             records, wall = await run_level(client, cfg, c, requests_for(cfg, c), prompts)
             levels[str(c)] = summary = summarize_level(c, records, wall)

@@ -106,12 +106,13 @@ def run_baseline_phase(args, model_dir: str) -> dict:
     ), log=log)
 
 
-def run_server_phase(args, model_dir: str | None, log_path: str, record: dict) -> dict:
+def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
+                     monitor: InterferenceMonitor) -> dict:
     """Drive --url if given, else a loom we start (and always stop) ourselves. Fills `record`
     as it goes, so an interrupted run still reports the levels it finished."""
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
-        drive(args, record)
+        drive(args, record, monitor)
         return record
     from bench.server import LoomServer
 
@@ -123,11 +124,11 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict) -
         record.update(url=server.base_url, started_by_bench=True, startup_s=server.startup_s,
                       command=server.command, log=log_path)
         log(f"server: healthy after {server.startup_s:.1f} s ({' '.join(server.command)})")
-        drive(args, record)
+        drive(args, record, monitor)
     return record
 
 
-def drive(args, record: dict) -> None:
+def drive(args, record: dict, monitor: InterferenceMonitor) -> None:
     from bench.load import LoadConfig, run_load
 
     base_url = record["url"]
@@ -137,7 +138,19 @@ def drive(args, record: dict) -> None:
                      requests_per_client=args.requests_per_client,
                      level_timeout=args.level_timeout)
     record["levels"] = {}
-    asyncio.run(run_load(cfg, record["levels"], log=log))
+
+    def before_level(concurrency: int) -> None:
+        _settle(args, monitor)
+        monitor.mark(f"server c={concurrency}")
+
+    asyncio.run(run_load(cfg, record["levels"], log=log, before_level=before_level))
+
+
+def _settle(args, monitor: InterferenceMonitor) -> None:
+    """With --wait-idle, let whatever else runs on the machine finish before measuring."""
+    if args.wait_idle:
+        monitor.mark("waiting")
+        wait_until_idle(args.wait_idle, log, monitor)
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -185,15 +198,13 @@ def _run_phases(args, results: dict, server_log: str, monitor: InterferenceMonit
     phases = [
         ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir)),
         ("server", args.skip_server,
-         lambda: run_server_phase(args, model_dir, server_log, results["server"])),
+         lambda: run_server_phase(args, model_dir, server_log, results["server"], monitor)),
         ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir)),
     ]
     for name, skip, phase in phases:
         if skip:
             continue
-        if args.wait_idle:
-            monitor.mark("waiting")
-            wait_until_idle(args.wait_idle, log)
+        _settle(args, monitor)
         monitor.mark(name)
         _run_phase(results, name, phase)
     monitor.mark("done")
