@@ -10,8 +10,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api_server.engine_client import EngineClient
+from api_server.server_state import ServerState
 from api_server.metrics import Metrics
+from api_server.middleware import limit_body_size, require_api_key
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.protocol import RequestError
 
@@ -20,12 +21,14 @@ logger = logging.getLogger("loom.api")
 VERSION = "0.1.0"
 
 
-def build_app(engine: EngineClient, routes: OpenAIRoutes, metrics: Metrics):
+def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
+              api_key: str | None = None, max_request_bytes: int = 16 << 20):
     async def health(request: Request) -> Response:
-        if engine.is_healthy:
+        reason = state.unhealthy_reason()
+        if reason is None:
             return json_response({"status": "ok"})
-        reason = engine.dead_reason or "starting"
-        return json_response({"status": "unhealthy", "reason": reason}, status=503)
+        return json_response({"status": "unhealthy", "reason": reason}, status=503,
+                             headers={"Retry-After": "1"})
 
     async def version(request: Request) -> Response:
         return json_response({"version": VERSION})
@@ -49,4 +52,7 @@ def build_app(engine: EngineClient, routes: OpenAIRoutes, metrics: Metrics):
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     known_paths = {route.path for route in app.routes}
-    return metrics.http_middleware(app, known_paths)
+    wrapped = limit_body_size(app, max_request_bytes)
+    if api_key:
+        wrapped = require_api_key(wrapped, api_key)
+    return metrics.http_middleware(wrapped, known_paths)

@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads in the worker; default: all cores")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take before it is aborted with an error")
+    s.add_argument("--step-timeout", type=float, default=120.0,
+                   help="work queued but no step finished for this long: unhealthy, exit non-zero")
+    s.add_argument("--max-queued-requests", type=int, default=512,
+                   help="requests waiting for their first token beyond which new ones get 429")
+    s.add_argument("--max-queued-tokens", type=int, default=1_000_000,
+                   help="prompt tokens waiting beyond which new requests get 429")
+    s.add_argument("--max-request-bytes", type=parse_size, default=16 << 20,
+                   help="largest request body accepted (413 beyond)")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every route but /health and "
+                        "/metrics; the LOOM_API_KEY environment variable also sets it")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
     return parser
@@ -76,6 +89,10 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
         log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+        request_timeout=args.request_timeout, step_timeout=args.step_timeout,
+        max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
+        max_request_bytes=args.max_request_bytes,
+        api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
     )
 
 

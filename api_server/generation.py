@@ -37,7 +37,7 @@ class ChoiceDelta:
 
 async def stream_choice(
     engine: EngineClient, ctx: TextContext, tokenizer, index: int,
-    stop: list[str], skip_special_tokens: bool,
+    stop: list[str], skip_special_tokens: bool, timeout: float | None = None,
 ) -> AsyncIterator[ChoiceDelta]:
     prompt_ids = ctx.prompt_tokens.tolist()
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
@@ -45,7 +45,7 @@ async def stream_choice(
     stop_ids = set(ctx.sampling_params.stop_token_ids or ())
     eos_ids = set() if ctx.ignore_eos else set(ctx.eos_token_ids)
     completion_tokens = 0
-    async for output in engine.generate(ctx):
+    async for output in engine.generate(ctx, timeout):
         if output.final_status is GenerationStatus.ERROR:
             raise GenerationError(output.error or "generation failed")
         tokens = output.tokens

@@ -25,6 +25,7 @@ from api_server.app import build_app
 from api_server.engine_client import EngineClient, EngineDeadError
 from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
+from api_server.server_state import AdmissionLimits, ServerState
 from api_server.tokenizer import TextTokenizer
 from scheduler.process import SchedulerProcessConfig, run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
@@ -55,6 +56,12 @@ class ServeConfig:
     log_level: str = "info"
     startup_timeout: float = 300.0
     shutdown_timeout: float = 10.0
+    request_timeout: float | None = None
+    step_timeout: float = 120.0
+    max_queued_requests: int = 512
+    max_queued_tokens: int = 1_000_000
+    api_key: str | None = None
+    max_request_bytes: int = 16 << 20
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -71,9 +78,17 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+# After a child dies, keep answering 503 this long (so health checks and clients see why)
+# before exiting non-zero for the supervisor to restart us.
+DEAD_LINGER_SECONDS = 2.0
+
+
 class _Server(uvicorn.Server):
-    """uvicorn, with our own signal handling: SIGINT/SIGTERM start a graceful shutdown and
-    are not re-raised afterwards, so the children are stopped in order."""
+    """uvicorn, with our own signal handling: SIGINT/SIGTERM call `on_stop` (which drains in
+    flight requests first) and are not re-raised afterwards, so the children are stopped in
+    order. A second signal exits at once."""
+
+    on_stop = None
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -87,9 +102,17 @@ class _Server(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: int) -> None:
-        if self.should_exit and sig == signal.SIGINT:
+        if self.stopping:
+            self.should_exit = True
             self.force_exit = True
-        self.should_exit = True
+            return
+        self.stopping = True
+        if self.on_stop is not None:
+            self.on_stop()
+        else:
+            self.should_exit = True
+
+    stopping = False
 
 
 class Launcher:
@@ -131,21 +154,44 @@ class Launcher:
             await asyncio.sleep(0.5)  # a failing child's own explanation may still be in flight
         dead = [c for c in self.children if not c.is_alive()]
         names = ", ".join(f"{c.name} (exit code {c.exitcode})" for c in dead)
-        logger.error("%s died; stopping the server", names)
-        engine.mark_dead(f"{names} died")
+        await self._fail(engine, server, f"{names} died")
+
+    async def watch_stalls(self, state: ServerState, engine: EngineClient,
+                           server: uvicorn.Server) -> None:
+        """A step that never finishes must not hang the server: treat it like a dead child."""
+        while not server.should_exit:
+            await asyncio.sleep(1.0)
+            if engine.ready is not None and state.stalled_for() > state.limits.step_timeout:
+                await self._fail(engine, server, f"no step finished in "
+                                 f"{state.limits.step_timeout:g}s (--step-timeout)")
+                return
+
+    async def _fail(self, engine: EngineClient, server: uvicorn.Server, reason: str) -> None:
+        logger.error("%s; failing in-flight requests and exiting", reason)
+        engine.mark_dead(reason)
         self.exit_code = 1
+        await asyncio.sleep(DEAD_LINGER_SECONDS)
+        server.should_exit = True
+
+    async def drain(self, state: ServerState, engine: EngineClient,
+                    server: uvicorn.Server) -> None:
+        """SIGTERM: refuse new requests (503), give in-flight ones --shutdown-timeout to
+        finish, then stop."""
+        state.draining = True
+        logger.info("shutting down: draining %d in-flight requests (up to %gs)",
+                    engine.num_in_flight, self.cfg.shutdown_timeout)
+        deadline = time.monotonic() + self.cfg.shutdown_timeout
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         server.should_exit = True
 
     def stop_children(self) -> None:
+        # The children hold no state worth saving and ignore SIGTERM (see ignore_interrupts).
         for child in self.children:
-            if child.is_alive():
-                child.terminate()
-        deadline = time.monotonic() + 5
-        for child in self.children:
-            child.join(max(0.0, deadline - time.monotonic()))
             if child.is_alive():
                 child.kill()
-                child.join(1)
+        for child in self.children:
+            child.join(5)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     async def serve(self, listen_socket: socket.socket) -> int:
@@ -156,21 +202,31 @@ class Launcher:
         model_config = load_model_config(cfg.model_dir)
         max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
         tokenizer = TextTokenizer(cfg.model_dir, max_model_len, model_config.eos_token_ids)
-        routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name,
-                              {cfg.model_dir}, max_model_len)
-        app = build_app(engine, routes, metrics)
+        state = ServerState(engine, AdmissionLimits(
+            max_queued_requests=cfg.max_queued_requests,
+            max_queued_tokens=cfg.max_queued_tokens, step_timeout=cfg.step_timeout))
+        routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name, {cfg.model_dir},
+                              max_model_len, state, cfg.request_timeout)
+        app = build_app(state, routes, metrics, api_key=cfg.api_key,
+                        max_request_bytes=cfg.max_request_bytes)
         server = _Server(uvicorn.Config(
             app, log_level=cfg.log_level, access_log=cfg.log_level == "debug",
-            timeout_graceful_shutdown=cfg.shutdown_timeout, lifespan="off",
+            timeout_graceful_shutdown=1.0, lifespan="off",
         ))
+        tasks = []
+        server.on_stop = lambda: tasks.append(asyncio.ensure_future(
+            self.drain(state, engine, server)))
         watcher = asyncio.create_task(self.watch_children(engine, server))
+        tasks.append(watcher)
         try:
             await self._wait_ready(engine, watcher)
+            tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]
             print(f"loom: serving {cfg.served_model_name} on http://{host}:{port}", flush=True)
             await server.serve(sockets=[listen_socket])
         finally:
-            watcher.cancel()
+            for task in tasks:
+                task.cancel()
             engine.close()
         return self.exit_code
 

@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from api_server.engine_client import EngineClient, EngineDeadError
+from api_server.engine_client import EngineClient, EngineDeadError, RequestTimeoutError
 from api_server.generation import (
     ChoiceDelta,
     GenerationError,
@@ -31,6 +31,7 @@ from api_server.protocol import (
     decode_body,
     prompts_of,
 )
+from api_server.server_state import ServerState
 from api_server.tokenizer import TextTokenizer
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
@@ -53,8 +54,11 @@ def error_response(exc: RequestError) -> Response:
 
 class OpenAIRoutes:
     def __init__(self, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
-                 model_aliases: set[str], max_model_len: int) -> None:
+                 model_aliases: set[str], max_model_len: int, state: ServerState,
+                 request_timeout: float | None = None) -> None:
         self.engine = engine
+        self.state = state
+        self.request_timeout = request_timeout
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_aliases = model_aliases | {model_name}
@@ -78,9 +82,8 @@ class OpenAIRoutes:
                                code="model_not_found")
 
     def _check_engine(self) -> None:
-        if not self.engine.is_healthy:
-            raise RequestError("the server is not ready to serve requests", status=503,
-                               code="service_unavailable")
+        """Refuse early (before tokenizing) when the server takes no work at all."""
+        self.state.check_available()
 
     def _sampling_params(self, req: SamplingFields, max_tokens: int | None, index: int,
                          ) -> SamplingParams:
@@ -138,7 +141,7 @@ class OpenAIRoutes:
         started: asyncio.Event | None = None
         for i, ctx in enumerate(contexts):
             stream = stream_choice(self.engine, ctx, self.tokenizer.delegate, i, stop,
-                                   req.skip_special_tokens)
+                                   req.skip_special_tokens, self.request_timeout)
             if n > 1 and i % n == 0:
                 started = asyncio.Event()
                 stream = after_first_output(stream, started)
@@ -148,7 +151,9 @@ class OpenAIRoutes:
         return streams
 
     async def _contexts(self, make_request: Callable[[int], TokenGeneratorRequest], count: int):
-        return [await self.tokenizer.new_context(make_request(i)) for i in range(count)]
+        contexts = [await self.tokenizer.new_context(make_request(i)) for i in range(count)]
+        self.state.admit(contexts)
+        return contexts
 
     # ---- /v1/completions --------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -303,6 +308,8 @@ class OpenAIRoutes:
                     yield b"data: " + _json.encode(chunk) + b"\n\n"
             except (GenerationError, EngineDeadError) as exc:
                 yield b"data: " + _json.encode(_server_error(str(exc))) + b"\n\n"
+            except RequestTimeoutError as exc:
+                yield b"data: " + _json.encode(_timeout_error(str(exc))) + b"\n\n"
             finally:
                 await chunks.aclose()
             yield b"data: [DONE]\n\n"
@@ -324,8 +331,17 @@ class OpenAIRoutes:
             return Response(status_code=499)
         try:
             return json_response(work.result())
-        except (GenerationError, EngineDeadError) as exc:
+        except EngineDeadError as exc:
+            return json_response(_server_error(str(exc)), status=503)
+        except GenerationError as exc:
             return json_response(_server_error(str(exc)), status=500)
+        except RequestTimeoutError as exc:
+            return json_response(_timeout_error(str(exc)), status=408)
+
+
+def _timeout_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "timeout_error", "param": None,
+                      "code": "request_timeout"}}
 
 
 def _server_error(message: str) -> dict:

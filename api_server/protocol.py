@@ -118,7 +118,7 @@ def decode_body(body: bytes, type_: type) -> Any:
             field = text.split("`")[1]
             param = f"{param}.{field}" if param else field
         raise RequestError(text, param=param or None) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"invalid JSON body: {exc}") from None
 
 

@@ -31,5 +31,7 @@ def die_with_parent() -> None:
 
 
 def ignore_interrupts() -> None:
-    """Children leave Ctrl-C to the parent, which shuts them down in order."""
+    """Children leave Ctrl-C and SIGTERM to the parent, which drains in-flight requests first
+    and then stops them (a terminal's Ctrl-C or systemd's SIGTERM reach the whole group)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -88,6 +88,16 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    """True once none of `pids` is alive (children may take a moment to notice)."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 @dataclass
 class LoomServer:
     proc: subprocess.Popen
@@ -118,10 +128,14 @@ class LoomServer:
 
 
 def start_server(model_dir: str | None, *args: str, timeout: float = 180.0,
-                 log_path: str | None = None) -> LoomServer:
+                 log_path: str | None = None, threads: int | None = None) -> LoomServer:
+    """`loom serve` on a free loopback port. Tiny test models run on one thread: their ops
+    are too small to split, and a second thread only adds barrier waits."""
     port = free_port()
+    if threads is None:
+        threads = 2 if model_dir is None or "SmolLM2" in model_dir else 1
     cmd = [sys.executable, "-m", "api_server.cli", "serve", "--port", str(port),
-           "--num-threads", "2"]
+           "--num-threads", str(threads)]
     if model_dir is not None:
         cmd += ["--model", model_dir]
     cmd += list(args)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import ROOT, pid_alive, start_server
+from tests.helpers import ROOT, pid_alive, start_server, wait_gone
 
 LOOM = [sys.executable, "-m", "api_server.cli"]
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -64,7 +64,7 @@ def test_dead_worker_makes_the_server_exit_nonzero(tiny_model_dir):
     code = srv.proc.wait(timeout=20)
     assert code != 0
     assert "died" in srv.log()
-    assert not any(pid_alive(p) for p in srv.children)
+    assert wait_gone(srv.children)
 
 
 def _worker_pid(children):

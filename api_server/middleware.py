@@ -1,0 +1,82 @@
+"""ASGI middleware: request body size limit and API-key authentication."""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+
+_json = msgspec.json.Encoder()
+
+# Routes that stay open without a key: load balancers and Prometheus must reach them.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str,
+                      headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = _json.encode({"error": {"message": message, "type": type_, "param": None,
+                                   "code": code}})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def limit_body_size(app, max_bytes: int):
+    """Refuse bodies over `max_bytes` with a 413, before they are buffered in full.
+
+    The whole (bounded) body is read here and replayed to the app, so a chunked upload can't
+    grow past the limit either.
+    """
+
+    async def middleware(scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = f"the request body exceeds {max_bytes} bytes (--max-request-bytes)"
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            return await _send_error(send, 413, too_big, "invalid_request_error",
+                                     "request_too_large")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                return await _send_error(send, 413, too_big, "invalid_request_error",
+                                         "request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await app(scope, replay, send)
+
+    return middleware
+
+
+def require_api_key(app, api_key: str):
+    """Every route but /health and /metrics needs `Authorization: Bearer <key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def middleware(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, expected):  # constant time
+            return await _send_error(send, 401, "missing or invalid API key",
+                                     "authentication_error", "invalid_api_key",
+                                     [(b"www-authenticate", b"Bearer")])
+        return await app(scope, receive, send)
+
+    return middleware
