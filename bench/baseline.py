@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.clean_runs import CleanRuns
 from bench.prompts import prompt_ids
 
 PROMPT_INDEX_BASE = 2_000_000
@@ -29,7 +30,8 @@ class BaselineConfig:
     batch_size: int = 16
 
 
-def run_baseline(cfg: BaselineConfig, log=print) -> dict:
+def run_baseline(cfg: BaselineConfig, log=print, clean: CleanRuns | None = None) -> dict:
+    clean = clean or CleanRuns()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -41,9 +43,9 @@ def run_baseline(cfg: BaselineConfig, log=print) -> dict:
     model.eval()
     try:
         _generate(model, tokenizer, [prompt_ids(PROMPT_INDEX_BASE, 16)], 4)  # warm-up
-        sequential = _sequential(model, tokenizer, cfg)
+        sequential = clean.run("baseline sequential", lambda: _sequential(model, tokenizer, cfg))
         log(f"baseline: sequential {sequential['tok_s']:.1f} tok/s")
-        batched = _batched(model, tokenizer, cfg)
+        batched = clean.run("baseline batch", lambda: _batched(model, tokenizer, cfg))
         log(f"baseline: static batch of {cfg.batch_size} {batched['tok_s']:.1f} tok/s")
     finally:
         del model

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import steps as st
+from bench.clean_runs import CleanRuns
 from bench.prompts import prompt_ids
 from bench.stats import median
 
@@ -33,18 +34,21 @@ class CeilingConfig:
     prefill_repeats: int = 3
 
 
-def run_ceiling(cfg: CeilingConfig, log=print) -> dict:
+def run_ceiling(cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -> dict:
+    clean = clean or CleanRuns()
     torch.set_num_threads(os.cpu_count() or 1)
     max_len = cfg.prompt_len + cfg.output_len
     runner = _make_runner(cfg, max_len)
     loop = _StepLoop(runner, cfg.block_size)
     try:
         _warm_up(loop, cfg)
-        prefill = _measure_prefill_one(loop, cfg, max_len)
+        prefill = clean.run("ceiling prefill",
+                            lambda: _measure_prefill_one(loop, cfg, max_len))
         log(f"ceiling: one {cfg.prompt_len}-token prefill {prefill['ms']:.1f} ms")
         batches = {}
         for batch in cfg.batch_sizes:
-            batches[str(batch)] = result = _measure_batch(loop, cfg, batch, max_len)
+            batches[str(batch)] = result = clean.run(
+                f"ceiling b={batch}", lambda: _measure_batch(loop, cfg, batch, max_len))
             log(f"ceiling: batch {batch:>3}: decode {result['decode_tok_s']:8.1f} tok/s "
                 f"({result['decode_step_ms_p50']:.1f} ms/step), chunked prefill "
                 f"{result['prefill_tok_s']:8.1f} tok/s")

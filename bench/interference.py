@@ -1,6 +1,9 @@
-"""Other processes' CPU use while we measure: on a 2-core machine one concurrent test run
-makes every number several times worse, so each phase records how much CPU was taken by
-processes outside the benchmark's own tree (this process, loom and loom's children)."""
+"""Other processes' CPU use while we measure.
+
+On a 2-core machine one concurrent test run makes every number several times worse, so the
+benchmark accounts for the CPU time of every process outside its own tree (this process,
+loom and loom's children), per phase and per measured unit (see clean_runs.py).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import time
 from bench.environment import cpu_busy_share
 
 TICKS = os.sysconf("SC_CLK_TCK")
-WARN_CORES = 0.1  # foreign CPU above this (in cores, averaged over a phase) taints it
+WARN_CORES = 0.1  # foreign CPU above this (in cores, averaged over a measurement) taints it
+UNMEASURED = {"setup", "waiting", "done"}
 
 
 def _read_procs() -> dict[int, tuple[int, int]]:
@@ -38,18 +42,26 @@ def _ours(pid: int, procs: dict, root: int) -> bool:
 
 
 class InterferenceMonitor:
-    """A background thread sampling foreign CPU use, attributed to the phase set by mark()."""
+    """Accumulates foreign CPU-seconds, sampled by a background thread every `interval` and
+    on demand (sample()), attributed to the phase named by mark()."""
 
     def __init__(self, interval: float = 1.0) -> None:
         self.interval = interval
         self.phase = "setup"
-        self.samples: dict[str, list[float]] = {}
-        self.latest: float | None = None  # foreign cores in the last interval
+        self.phases: dict[str, dict] = {}
+        self.total_cpu_s = 0.0  # foreign CPU-seconds since start
+        self.latest: float | None = None  # foreign cores over the last full interval
+        self.enabled = os.path.isdir("/proc")
+        self._lock = threading.Lock()
+        self._procs: dict | None = None
+        self._then = 0.0
+        self._root = os.getpid()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="interference", daemon=True)
 
     def __enter__(self) -> "InterferenceMonitor":
-        if os.path.isdir("/proc"):
+        if self.enabled:
+            self.sample()
             self._thread.start()
         return self
 
@@ -63,40 +75,49 @@ class InterferenceMonitor:
         return self._thread.is_alive()
 
     def mark(self, phase: str) -> None:
+        self.sample()  # close the previous phase's books at the boundary
         self.phase = phase
 
+    def sample(self) -> float:
+        """Brings the books up to now; returns the foreign CPU-seconds so far."""
+        if not self.enabled:
+            return 0.0
+        with self._lock:
+            procs, now = _read_procs(), time.monotonic()
+            if self._procs is not None:
+                ticks = sum(t - self._procs.get(pid, (0, 0))[1] for pid, (_, t) in procs.items()
+                            if not _ours(pid, procs, self._root))
+                self._book(ticks / TICKS, now - self._then)
+            self._procs, self._then = procs, now
+            return self.total_cpu_s
+
+    def _book(self, cpu_s: float, wall_s: float) -> None:
+        self.total_cpu_s += cpu_s
+        phase = self.phases.setdefault(self.phase, {"cpu_s": 0.0, "wall_s": 0.0, "max_cores": 0.0})
+        phase["cpu_s"] += cpu_s
+        phase["wall_s"] += wall_s
+        if wall_s >= 0.5 * self.interval:  # short on-demand slices are too noisy for a max
+            self.latest = cpu_s / wall_s
+            phase["max_cores"] = max(phase["max_cores"], self.latest)
+
     def _loop(self) -> None:
-        root = os.getpid()
-        before, then = _read_procs(), time.monotonic()
         while not self._stop.wait(self.interval):
-            after, now = _read_procs(), time.monotonic()
-            ticks = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items()
-                        if not _ours(pid, after, root))
-            self.latest = ticks / TICKS / (now - then)
-            self.samples.setdefault(self.phase, []).append(self.latest)
-            before, then = after, now
+            self.sample()
 
     def summary(self) -> dict:
-        return {phase: {"foreign_cpu_cores_mean": sum(s) / len(s),
-                        "foreign_cpu_cores_max": max(s), "samples": len(s)}
-                for phase, s in self.samples.items() if s}
-
-
-UNMEASURED = {"setup", "waiting", "done"}
-
-
-def tainted_phases(summary: dict) -> list[str]:
-    return [p for p, s in summary.items()
-            if p not in UNMEASURED and s["foreign_cpu_cores_mean"] > WARN_CORES]
+        return {name: {"foreign_cpu_cores_mean": p["cpu_s"] / p["wall_s"],
+                       "foreign_cpu_cores_max": p["max_cores"], "seconds": p["wall_s"]}
+                for name, p in self.phases.items() if p["wall_s"] > 0}
 
 
 def wait_until_idle(timeout: float, log, monitor: InterferenceMonitor | None = None,
-                    threshold: float = 0.1, quiet_for: int = 3) -> bool:
-    """Before a phase: wait (up to `timeout` s) until other processes have used less than
-    `threshold` cores for `quiet_for` seconds in a row; True if they did. Our own processes
-    (an idle loom between levels) do not count when the monitor is running."""
+                    threshold: float = WARN_CORES, quiet_for: int = 5) -> bool:
+    """Wait (up to `timeout` s) until other processes have used less than `threshold` cores
+    for `quiet_for` seconds in a row; True if they did. Our own processes (an idle loom
+    between levels) do not count when the monitor is running."""
     deadline = time.monotonic() + timeout
     quiet = 0
+    last_log = 0.0
     while quiet < quiet_for:
         if monitor is not None and monitor.running:
             time.sleep(monitor.interval)
@@ -107,6 +128,7 @@ def wait_until_idle(timeout: float, log, monitor: InterferenceMonitor | None = N
         if time.monotonic() >= deadline:
             log(f"bench: other processes still use {busy:.1f} cores after {timeout:.0f}s; going on")
             return False
-        if busy >= threshold and int(time.monotonic()) % 10 == 0:
+        if busy >= threshold and time.monotonic() - last_log > 30:
             log(f"bench: other processes use {busy:.1f} cores; waiting")
+            last_log = time.monotonic()
     return True

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from bench.clean_runs import CleanRuns
 from bench.endpoint import http_client
 from bench.prompts import PromptSource
 from bench.server_metrics import level_breakdown, scrape
@@ -37,11 +38,11 @@ def requests_for(cfg: LoadConfig, concurrency: int) -> int:
     return max(cfg.requests_per_client * concurrency, cfg.min_requests)
 
 
-async def run_load(cfg: LoadConfig, levels: dict, log=print,
-                   before_level=lambda concurrency: None) -> None:
+async def run_load(cfg: LoadConfig, levels: dict, log=print, clean: CleanRuns | None = None) -> None:
     """Runs every level, adding each one's summary to `levels` (keyed by concurrency) as soon
-    as it ends. `before_level(c)` runs between levels (the CLI waits for a quiet machine and
-    labels the interference monitor there); it may block, nothing else is in flight."""
+    as it ends. A level disturbed by other processes is run again (see clean_runs.py); its
+    waiting for quiet may block the loop, which is fine: nothing else is in flight then."""
+    clean = clean or CleanRuns()
     prompts = PromptSource(cfg.prompt_len)
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.level_timeout + cfg.grace, connect=10.0)
@@ -49,15 +50,21 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print,
         # One request first, not counted: the server's first step pays one-time costs.
         await _warm_up(client, cfg, prompts)
         for c in cfg.concurrency:
-            before_level(c)
-            before = await scrape(client, cfg.base_url)
-            records, wall = await run_level(client, cfg, c, requests_for(cfg, c), prompts)
-            levels[str(c)] = summary = summarize_level(c, records, wall)
-            summary["server_metrics"] = level_breakdown(before, await scrape(client, cfg.base_url),
-                                                        wall)
+            for attempt in clean.attempts(f"server c={c}"):
+                attempt.result = await _measure_level(client, cfg, c, prompts)
+            levels[str(c)] = summary = clean.best_result()
             log(f"server: c={c:>3}: {summary['output_tok_s'] or 0:8.1f} tok/s, TTFT p50 "
                 f"{_ms(summary['ttft_p50_s'])}, ITL p50 {_ms(summary['itl_p50_s'])}, "
                 f"{summary['failed']} failed")
+
+
+async def _measure_level(client, cfg: LoadConfig, concurrency: int, prompts) -> dict:
+    before = await scrape(client, cfg.base_url)
+    records, wall = await run_level(client, cfg, concurrency, requests_for(cfg, concurrency),
+                                    prompts)
+    summary = summarize_level(concurrency, records, wall)
+    summary["server_metrics"] = level_breakdown(before, await scrape(client, cfg.base_url), wall)
+    return summary
 
 
 async def _warm_up(client, cfg: LoadConfig, prompts: PromptSource) -> None:

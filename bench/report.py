@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from bench.interference import tainted_phases
+from bench.interference import WARN_CORES
 from bench.stats import ratio
 
 COLUMNS = [  # (header, width)
@@ -75,10 +75,10 @@ def summary_lines(results: dict) -> list[str]:
             lines.append(_breakdown_line(key, level["server_metrics"]))
         if level.get("errors"):
             lines.append(f"c={key}: errors: {'; '.join(level['errors'])}")
-    interference = results.get("interference") or {}
-    for phase in tainted_phases(interference):
-        lines.append(f"WARNING: other processes used {interference[phase]['foreign_cpu_cores_mean']:.2f}"
-                     f" cores on average during the {phase} phase: its numbers are too low")
+    for label, unit in _measured_units(results):
+        if (unit.get("foreign_cpu_cores") or 0) > WARN_CORES:
+            lines.append(f"WARNING: {label}: other processes used {unit['foreign_cpu_cores']:.2f} "
+                         f"cores during the cleanest of {unit['attempts']} attempts; too low")
     for name, error in (results.get("errors") or {}).items():
         lines.append(f"{name} FAILED: {error}")
     if results.get("interrupted"):
@@ -92,6 +92,19 @@ def _breakdown_line(key: str, m: dict) -> str:
             f" ms/step ({_fmt(_pct(m['worker_idle_share']), 0)}% of wall); per request: queue "
             f"{_fmt(_ms(m['queue_s_mean']), 0)} ms, prefill {_fmt(_ms(m['prefill_s_mean']), 0)} ms, "
             f"decode {_fmt(m['decode_s_mean'], 2)} s")
+
+
+def _measured_units(results: dict):
+    """(label, result) of every unit that was measured on its own (and perhaps retried)."""
+    ceiling = results.get("ceiling") or {}
+    if ceiling.get("prefill_one"):
+        yield "ceiling prefill", ceiling["prefill_one"]
+    for key, batch in (ceiling.get("batches") or {}).items():
+        yield f"ceiling batch {key}", batch
+    for key, level in ((results.get("server") or {}).get("levels") or {}).items():
+        yield f"server c={key}", level
+    for name, part in (results.get("baseline") or {}).items():
+        yield f"baseline {name}", part
 
 
 def format_table(rows: list[dict]) -> str:

@@ -18,7 +18,8 @@ import time
 
 from bench.endpoint import NotLoopbackError, loopback_base_url, served_model
 from bench.environment import busy_warning, describe_environment
-from bench.interference import InterferenceMonitor, wait_until_idle
+from bench.clean_runs import CleanRuns
+from bench.interference import InterferenceMonitor
 from bench.report import render, write_json
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-batch", type=int, default=16)
     p.add_argument("--baseline-requests", type=int, default=3)
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each phase, wait up to this long for other processes to leave "
-                        "the CPUs alone")
+                   help="before each measurement, wait up to this long for other processes to "
+                        "leave the CPUs alone")
+    p.add_argument("--retries", type=int, default=2,
+                   help="measure a ceiling batch, load level or baseline run again (up to this "
+                        "many times) when other processes used the CPU meanwhile")
     p.add_argument("--out", default=None, help="JSON path; default bench/results/<time>.json")
     return p
 
@@ -86,33 +90,33 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_ceiling_phase(args, model_dir: str) -> dict:
+def run_ceiling_phase(args, model_dir: str, clean: CleanRuns) -> dict:
     from bench.ceiling import CeilingConfig, run_ceiling
 
     return run_ceiling(CeilingConfig(
         model_dir=model_dir, dtype=args.dtype, prompt_len=args.prompt_len,
         output_len=args.output_len, batch_sizes=sorted(set(args.concurrency)),
         chunk_tokens=chunk_tokens(args),
-    ), log=log)
+    ), log=log, clean=clean)
 
 
-def run_baseline_phase(args, model_dir: str) -> dict:
+def run_baseline_phase(args, model_dir: str, clean: CleanRuns) -> dict:
     from bench.baseline import BaselineConfig, run_baseline
 
     return run_baseline(BaselineConfig(
         model_dir=model_dir, dtype=args.dtype, prompt_len=args.prompt_len,
         output_len=args.output_len, sequential_requests=args.baseline_requests,
         batch_size=args.baseline_batch,
-    ), log=log)
+    ), log=log, clean=clean)
 
 
 def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
-                     monitor: InterferenceMonitor) -> dict:
+                     clean: CleanRuns) -> dict:
     """Drive --url if given, else a loom we start (and always stop) ourselves. Fills `record`
     as it goes, so an interrupted run still reports the levels it finished."""
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
-        drive(args, record, monitor)
+        drive(args, record, clean)
         return record
     from bench.server import LoomServer
 
@@ -124,11 +128,11 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
         record.update(url=server.base_url, started_by_bench=True, startup_s=server.startup_s,
                       command=server.command, log=log_path)
         log(f"server: healthy after {server.startup_s:.1f} s ({' '.join(server.command)})")
-        drive(args, record, monitor)
+        drive(args, record, clean)
     return record
 
 
-def drive(args, record: dict, monitor: InterferenceMonitor) -> None:
+def drive(args, record: dict, clean: CleanRuns) -> None:
     from bench.load import LoadConfig, run_load
 
     base_url = record["url"]
@@ -138,19 +142,7 @@ def drive(args, record: dict, monitor: InterferenceMonitor) -> None:
                      requests_per_client=args.requests_per_client,
                      level_timeout=args.level_timeout)
     record["levels"] = {}
-
-    def before_level(concurrency: int) -> None:
-        _settle(args, monitor)
-        monitor.mark(f"server c={concurrency}")
-
-    asyncio.run(run_load(cfg, record["levels"], log=log, before_level=before_level))
-
-
-def _settle(args, monitor: InterferenceMonitor) -> None:
-    """With --wait-idle, let whatever else runs on the machine finish before measuring."""
-    if args.wait_idle:
-        monitor.mark("waiting")
-        wait_until_idle(args.wait_idle, log, monitor)
+    asyncio.run(run_load(cfg, record["levels"], log=log, clean=clean))
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -195,16 +187,17 @@ def _run_phases(args, results: dict, server_log: str, monitor: InterferenceMonit
     results["config"]["model_dir"] = model_dir
     if not args.skip_server:
         results["server"] = {}  # filled level by level
+    clean = CleanRuns(monitor, retries=args.retries, wait_idle=args.wait_idle, log=log)
     phases = [
-        ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir)),
+        ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir, clean)),
         ("server", args.skip_server,
-         lambda: run_server_phase(args, model_dir, server_log, results["server"], monitor)),
-        ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir)),
+         lambda: run_server_phase(args, model_dir, server_log, results["server"], clean)),
+        ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir, clean)),
     ]
     for name, skip, phase in phases:
         if skip:
             continue
-        _settle(args, monitor)
+        clean.settle()  # so that loading and start-up are measured on a quiet machine too
         monitor.mark(name)
         _run_phase(results, name, phase)
     monitor.mark("done")
@@ -225,7 +218,8 @@ def _config(args) -> dict:
             "concurrency": args.concurrency, "url": args.url, "serve_args": args.serve_args,
             "chunk_tokens": chunk_tokens(args), "requests_per_client": args.requests_per_client,
             "level_timeout_s": args.level_timeout, "baseline_batch": args.baseline_batch,
-            "baseline_requests": args.baseline_requests, "wait_idle_s": args.wait_idle}
+            "baseline_requests": args.baseline_requests, "wait_idle_s": args.wait_idle,
+            "retries": args.retries}
 
 
 def _model_name(results: dict) -> str:
