@@ -11,7 +11,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_server.server_state import ServerState
+from api_server.extra_routes import ExtraRoutes
 from api_server.metrics import Metrics
+from api_server.openapi import build_openapi
 from api_server.middleware import limit_body_size, require_api_key
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.protocol import RequestError
@@ -33,6 +35,13 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
     async def version(request: Request) -> Response:
         return json_response({"version": VERSION})
 
+    openapi_doc = build_openapi(VERSION)
+
+    async def openapi(request: Request) -> Response:
+        return json_response(openapi_doc)
+
+    extra = ExtraRoutes(routes)
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(RequestError(exc.detail or "error", status=exc.status_code))
 
@@ -45,7 +54,11 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
             Route("/health", health, methods=["GET"]),
             Route("/version", version, methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", extra.get_model, methods=["GET"]),
+            Route("/tokenize", extra.tokenize, methods=["POST"]),
+            Route("/detokenize", extra.detokenize, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         ],

@@ -9,7 +9,7 @@ import msgspec
 _json = msgspec.json.Encoder()
 
 # Routes that stay open without a key: load balancers and Prometheus must reach them.
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 async def _send_error(send, status: int, message: str, type_: str, code: str,

@@ -1,0 +1,67 @@
+"""vLLM's /tokenize and /detokenize, and GET /v1/models/{model}."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api_server.openai_routes import OpenAIRoutes, error_response, json_response
+from api_server.protocol import ChatMessage, RequestError, decode_body
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class ExtraRoutes:
+    def __init__(self, routes: OpenAIRoutes) -> None:
+        self.routes = routes
+        self.tokenizer = routes.tokenizer
+
+    async def get_model(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        try:
+            self.routes._check_model(model)
+        except RequestError as exc:
+            return error_response(exc)
+        return json_response(self.routes.model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = decode_body(await request.body(), TokenizeRequest)
+            self.routes._check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise RequestError("give exactly one of prompt or messages", param="prompt")
+            if req.messages is not None:
+                messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None}
+                            for m in req.messages]
+                text = self.tokenizer.render_chat(
+                    messages, add_generation_prompt=req.add_generation_prompt)
+                ids = self.tokenizer.delegate.encode(text, add_special_tokens=False)
+            else:
+                ids = self.tokenizer.delegate.encode(
+                    req.prompt, add_special_tokens=req.add_special_tokens)
+        except RequestError as exc:
+            return error_response(exc)
+        return json_response({"count": len(ids), "max_model_len": self.routes.max_model_len,
+                              "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            req = decode_body(await request.body(), DetokenizeRequest)
+            self.routes._check_model(req.model)
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in req.tokens):
+                raise RequestError("tokens holds ids outside the vocabulary", param="tokens")
+        except RequestError as exc:
+            return error_response(exc)
+        return json_response({"prompt": self.tokenizer.delegate.decode(req.tokens)})

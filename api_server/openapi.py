@@ -1,0 +1,81 @@
+"""/openapi.json: generated from the same msgspec structs that validate the requests, so
+the document and the server cannot drift apart."""
+
+from __future__ import annotations
+
+import msgspec
+
+from api_server.extra_routes import DetokenizeRequest, TokenizeRequest
+from api_server.protocol import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{name}"
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]},
+        },
+    }},
+}
+
+
+def _responses(*errors: int, content_type: str = "application/json") -> dict:
+    out = {"200": {"description": "OK", "content": {content_type: {"schema": {}}}}}
+    for status in errors:
+        out[str(status)] = {"description": "error", "content": {
+            "application/json": {"schema": {"$ref": _REF.format(name="Error")}}}}
+    return out
+
+
+def _post(schema: str, summary: str, stream: bool = False) -> dict:
+    responses = _responses(400, 401, 404, 408, 413, 429, 503)
+    if stream:
+        # Events are JSON chunks, then the literal [DONE].
+        responses["200"]["content"]["text/event-stream"] = {"schema": {}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": _REF.format(name=schema)}}}},
+        "responses": responses,
+    }}
+
+
+def _get(summary: str, content_type: str = "application/json", errors=(401,)) -> dict:
+    return {"get": {"summary": summary, "responses": _responses(*errors,
+                                                                content_type=content_type)}}
+
+
+def build_openapi(version: str) -> dict:
+    _, components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        ref_template=_REF,
+    )
+    components["Error"] = ERROR_SCHEMA
+    model_get = _get("One model", errors=(401, 404))
+    model_get["get"]["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                       "schema": {"type": "string"}}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Loom", "version": version,
+                 "description": "OpenAI-compatible LLM serving"},
+        "paths": {
+            "/v1/completions": _post("CompletionRequest", "Text completion", stream=True),
+            "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion",
+                                          stream=True),
+            "/tokenize": _post("TokenizeRequest", "Tokenize a prompt or chat messages"),
+            "/detokenize": _post("DetokenizeRequest", "Token ids back to text"),
+            "/v1/models": _get("Served models"),
+            "/v1/models/{model}": model_get,
+            "/health": _get("200 when ready to serve, 503 otherwise", errors=(503,)),
+            "/version": _get("Server version"),
+            "/metrics": _get("Prometheus metrics", content_type="text/plain", errors=()),
+        },
+        "components": {"schemas": components},
+    }
