@@ -7,13 +7,22 @@ STAMP := $(VENV)/.loom-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test setup model bench clean
+.PHONY: serve test test-tools setup model bench clean
 
 serve: model
 	$(BIN)/loom serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: model
+test: model test-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The Prometheus test scrapes Loom with a real Prometheus server: install Debian's package
+# when possible (root with apt-get); otherwise that one test is skipped.
+test-tools:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+	      || echo "note: could not install prometheus; its test will be skipped"; \
+	  else echo "note: prometheus not installed; its test will be skipped"; fi; }
 
 setup: $(STAMP)
 
