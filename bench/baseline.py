@@ -56,7 +56,9 @@ def run_baseline(cfg: BaselineConfig, log=print, clean: CleanRuns | None = None)
 def _generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
     """Seconds for one generate() call and the number of new tokens it produced."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:  # Llama-style tokenizers have none; padding is masked out anyway
+        pad_id = tokenizer.eos_token_id
     started = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(

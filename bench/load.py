@@ -38,7 +38,8 @@ def requests_for(cfg: LoadConfig, concurrency: int) -> int:
     return max(cfg.requests_per_client * concurrency, cfg.min_requests)
 
 
-async def run_load(cfg: LoadConfig, levels: dict, log=print, clean: CleanRuns | None = None) -> None:
+async def run_load(cfg: LoadConfig, levels: dict, log=print,
+                   clean: CleanRuns | None = None) -> None:
     """Runs every level, adding each one's summary to `levels` (keyed by concurrency) as soon
     as it ends. A level disturbed by other processes is run again (see clean_runs.py); its
     waiting for quiet may block the loop, which is fine: nothing else is in flight then."""

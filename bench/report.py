@@ -87,11 +87,12 @@ def summary_lines(results: dict) -> list[str]:
 
 
 def _breakdown_line(key: str, m: dict) -> str:
+    idle, share = _fmt(m["worker_idle_ms_per_step"]), _fmt(_pct(m["worker_idle_share"]), 0)
+    queue, prefill = _fmt(_ms(m["queue_s_mean"]), 0), _fmt(_ms(m["prefill_s_mean"]), 0)
     return (f"c={key} server steps: {m['steps']} steps of {m['tokens_per_step']:.1f} tokens, "
-            f"one every {m['step_period_ms']:.1f} ms, worker idle {_fmt(m['worker_idle_ms_per_step'])}"
-            f" ms/step ({_fmt(_pct(m['worker_idle_share']), 0)}% of wall); per request: queue "
-            f"{_fmt(_ms(m['queue_s_mean']), 0)} ms, prefill {_fmt(_ms(m['prefill_s_mean']), 0)} ms, "
-            f"decode {_fmt(m['decode_s_mean'], 2)} s")
+            f"one every {m['step_period_ms']:.1f} ms, worker idle {idle} ms/step ({share}% of "
+            f"wall); per request: queue {queue} ms, prefill {prefill} ms, decode "
+            f"{_fmt(m['decode_s_mean'], 2)} s")
 
 
 def _measured_units(results: dict):
