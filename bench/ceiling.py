@@ -41,7 +41,7 @@ def run_ceiling(cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -
     runner = _make_runner(cfg, max_len)
     loop = _StepLoop(runner, cfg.block_size)
     try:
-        _warm_up(loop, cfg)
+        _warm_up(loop, cfg, max_len)
         prefill = clean.run("ceiling prefill",
                             lambda: _measure_prefill_one(loop, cfg, max_len))
         log(f"ceiling: one {cfg.prompt_len}-token prefill {prefill['ms']:.1f} ms")
@@ -115,11 +115,14 @@ def _prompts(count: int, length: int, offset: int) -> list[list[int]]:
     return [prompt_ids(PROMPT_INDEX_BASE + offset + i, length) for i in range(count)]
 
 
-def _warm_up(loop: _StepLoop, cfg: CeilingConfig) -> None:
+def _warm_up(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> None:
     # First calls pay for allocator growth and kernel selection; keep them out of the numbers.
-    seqs = st.make_sequences(_prompts(2, min(cfg.prompt_len, 64), 0), 80, cfg.block_size, "warm")
+    # Sized to fit the KV cache, which holds exactly max(batch_sizes) sequences of max_len.
+    count = min(2, max(cfg.batch_sizes))
+    seqs = st.make_sequences(_prompts(count, min(cfg.prompt_len, 64), 0), max_len,
+                             cfg.block_size, "warm")
     loop.prefill(seqs, cfg.chunk_tokens)
-    for _ in range(4):
+    for _ in range(min(4, cfg.output_len - 1)):
         loop.run(st.decode_chunks(seqs))
     loop.finish(seqs)
 
