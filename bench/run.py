@@ -151,7 +151,11 @@ def _sigterm_as_interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prompt_len < 1 or args.output_len < 2 or min(args.concurrency) < 1:
+        # One output token would leave no decode step to time, nor any inter-token latency.
+        parser.error("--prompt-len must be >= 1, --output-len >= 2, --concurrency values >= 1")
     if args.url:
         try:
             loopback_base_url(args.url)
