@@ -222,6 +222,7 @@ class Launcher:
             await self._wait_ready(engine, watcher)
             tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]
+            logger.info("IPC sockets in %s", self.ipc_dir)
             print(f"loom: serving {cfg.served_model_name} on http://{host}:{port}", flush=True)
             await server.serve(sockets=[listen_socket])
         finally:
