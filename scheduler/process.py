@@ -99,16 +99,10 @@ class SchedulerLoop:
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        sched = self.scheduler
         while True:
             if self.inflight is None:
                 self._drain_inputs()
-                step = sched.schedule()
-                if step is not None:
-                    step.follows_result_at = self._last_result_at
-                    step.batch.sent_at = time.monotonic()
-                    self.steps.send(self.encode(step.batch), copy=False)
-                    self.inflight = step
+                if self._start_next_step():
                     continue
                 # Idle: report the final state once, then sleep in poll until a request or
                 # cancellation arrives.
@@ -169,7 +163,21 @@ class SchedulerLoop:
             outputs = self.scheduler.fail_step(step, result.error)
         else:
             outputs, _stats = self.scheduler.update(step, result)
+        # The worker waits for its next step, the API process for these tokens: the step goes
+        # first, so the API's detokenizing overlaps the forward pass instead of delaying it.
+        self._drain_inputs()
+        self._start_next_step()
         self._send_outputs(outputs)
+
+    def _start_next_step(self) -> bool:
+        step = self.scheduler.schedule()
+        if step is None:
+            return False
+        step.follows_result_at = self._last_result_at
+        step.batch.sent_at = time.monotonic()
+        self.steps.send(self.encode(step.batch), copy=False)
+        self.inflight = step
+        return True
 
     def _send_outputs(self, outputs: list) -> None:
         stats = self.scheduler.stats()
