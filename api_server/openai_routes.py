@@ -32,6 +32,15 @@ from api_server.protocol import (
     prompts_of,
 )
 from api_server.server_state import ServerState
+from api_server.structured import schema_for_response_format, validate_schema
+from api_server.tool_calls import (
+    ForcedCallCollector,
+    ToolCall,
+    ToolCallParser,
+    check_tools,
+    forced_call_schema,
+    tools_system_prompt,
+)
 from api_server.tokenizer import TextTokenizer
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
@@ -110,6 +119,10 @@ class OpenAIRoutes:
         except SamplingParamsError as exc:
             raise RequestError(str(exc), param=exc.param) from None
 
+    def _response_format(self, req: SamplingFields) -> dict | None:
+        schema = schema_for_response_format(req.response_format)
+        return None if schema is None else {"type": "json_schema", "json_schema": schema}
+
     def _check_token_ids(self, ids: list[int] | None, param: str) -> list[int] | None:
         if ids and not all(0 <= t < self.tokenizer.vocab_size for t in ids):
             raise RequestError(f"{param} holds token ids outside the vocabulary", param=param)
@@ -170,12 +183,14 @@ class OpenAIRoutes:
             request_id = uuid.uuid4().hex
             n = req.n
             wants_logprobs = req.logprobs is not None
+            response_format = self._response_format(req)
             contexts = await self._contexts(lambda i: TokenGeneratorRequest(
                 id=f"{request_id}-{i}", index=i, model_name=self.model_name,
                 prompt=prompts[i // n], request_path="/v1/completions",
                 timestamp_ns=time.time_ns(),
                 logprobs=max(1, req.logprobs) if wants_logprobs else 0,
                 echo=bool(req.echo and wants_logprobs),
+                response_format=response_format,
                 sampling_params=self._sampling_params(req, max_tokens, i),
             ), len(prompts) * n)
         except RequestError as exc:
@@ -239,29 +254,49 @@ class OpenAIRoutes:
             options = dict(req.chat_template_kwargs or {})
             options["add_generation_prompt"] = req.add_generation_prompt
             request_id = uuid.uuid4().hex
+            response_format = self._response_format(req)
+            tools, forced_name = check_tools(req.tools, req.tool_choice)
+            tool_mode = _tool_mode(tools, req.tool_choice)
+            rendered_tools = None
+            if tool_mode != "none":
+                if self.tokenizer.template_takes_tools:
+                    rendered_tools = tools
+                else:
+                    messages = [{"role": "system", "content": tools_system_prompt(tools)},
+                                *messages]
+            if tool_mode == "forced":
+                if response_format is not None:
+                    raise RequestError("response_format can't be combined with a forced tool "
+                                       "call", param="response_format")
+                schema = validate_schema(forced_call_schema(tools, forced_name), "tools")
+                response_format = {"type": "json_schema", "json_schema": schema}
             contexts = await self._contexts(lambda i: TokenGeneratorRequest(
                 id=f"{request_id}-{i}", index=i, model_name=self.model_name,
-                messages=messages, request_path="/v1/chat/completions",
+                messages=messages, tools=rendered_tools, request_path="/v1/chat/completions",
                 timestamp_ns=time.time_ns(), chat_template_options=options,
                 logprobs=max(1, req.top_logprobs or 0) if req.logprobs else 0,
+                response_format=response_format,
                 sampling_params=self._sampling_params(req, max_tokens, i),
             ), req.n)
         except RequestError as exc:
             return error_response(exc)
         streams = self._streams(contexts, req, req.n)
+        parsers = [_tool_parser(tool_mode) for _ in contexts]
         response_id = f"chatcmpl-{request_id}"
         if req.stream:
-            return self._sse(self._chat_chunks(response_id, streams, req), request)
-        return await self._collect(request, self._chat_body(response_id, streams, req))
+            return self._sse(self._chat_chunks(response_id, streams, req, parsers), request)
+        return await self._collect(request, self._chat_body(response_id, streams, req, parsers))
 
     def _chat_logprobs(self, d: ChoiceDelta, req: ChatCompletionRequest) -> list[dict] | None:
         if not req.logprobs or d.logprobs is None:
             return None
         return chat_logprob_entries(self.token_text, d.logprobs, req.top_logprobs or 0)
 
-    async def _chat_chunks(self, response_id: str, streams, req: ChatCompletionRequest):
+    async def _chat_chunks(self, response_id: str, streams, req: ChatCompletionRequest,
+                           parsers: list):
         created = int(time.time())
         usage = _Usage(req.n)
+        num_calls = [0] * len(streams)
 
         def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
             return {"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -270,33 +305,69 @@ class OpenAIRoutes:
                                  "logprobs": None if logprobs is None else {"content": logprobs},
                                  "finish_reason": finish}]}
 
+        def call_chunks(index: int, calls: list[ToolCall]):
+            # As OpenAI streams them: id, type and name first, then the arguments.
+            for call in calls:
+                k = num_calls[index]
+                num_calls[index] += 1
+                yield chunk(index, {"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                    "function": {"name": call.name,
+                                                                 "arguments": ""}}]}, None)
+                yield chunk(index, {"tool_calls": [{"index": k, "function": {
+                    "arguments": call.arguments}}]}, None)
+
         for i in range(len(streams)):
             yield chunk(i, {"role": "assistant", "content": ""}, None)
         async for d in merge_choices(streams):
             usage.add(d)
             logprobs = self._chat_logprobs(d, req)
-            if d.text or logprobs:
-                yield chunk(d.index, {"content": d.text}, None, logprobs)
+            text, calls = self._split_tools(parsers[d.index], d)
+            if text or logprobs:
+                yield chunk(d.index, {"content": text}, None, logprobs)
+            for c in call_chunks(d.index, calls):
+                yield c
             if d.finish_reason:
-                yield chunk(d.index, {}, d.finish_reason)
+                finish = "tool_calls" if num_calls[d.index] else d.finish_reason
+                yield chunk(d.index, {}, finish)
         if req.stream_options and req.stream_options.include_usage:
             yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
                    "model": self.model_name, "choices": [], "usage": usage.body()}
 
-    async def _chat_body(self, response_id: str, streams, req: ChatCompletionRequest) -> dict:
+    @staticmethod
+    def _split_tools(parser, d: ChoiceDelta) -> tuple[str, list[ToolCall]]:
+        if parser is None:
+            return d.text, []
+        text, calls = parser.push(d.text)
+        if d.finish_reason:
+            rest, more = parser.finish()
+            text, calls = text + rest, calls + more
+        return text, calls
+
+    async def _chat_body(self, response_id: str, streams, req: ChatCompletionRequest,
+                         parsers: list) -> dict:
         texts: dict[int, list[str]] = {i: [] for i in range(len(streams))}
+        calls: dict[int, list[ToolCall]] = {i: [] for i in range(len(streams))}
         logprobs: dict[int, list[dict]] = {i: [] for i in range(len(streams))}
         finish: dict[int, str] = {}
         usage = _Usage(req.n)
         async for d in merge_choices(streams):
             usage.add(d)
-            texts[d.index].append(d.text)
+            text, new_calls = self._split_tools(parsers[d.index], d)
+            texts[d.index].append(text)
+            calls[d.index] += new_calls
             logprobs[d.index].extend(self._chat_logprobs(d, req) or [])
             if d.finish_reason:
-                finish[d.index] = d.finish_reason
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                    "logprobs": {"content": logprobs[i]} if req.logprobs else None,
-                    "finish_reason": finish.get(i)} for i in sorted(texts)]
+                finish[d.index] = "tool_calls" if calls[d.index] else d.finish_reason
+        choices = []
+        for i in sorted(texts):
+            message = {"role": "assistant", "content": "".join(texts[i])}
+            if calls[i]:
+                message["content"] = message["content"] or None
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": c.arguments}} for c in calls[i]]
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": logprobs[i]} if req.logprobs else None,
+                            "finish_reason": finish.get(i)})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage.body()}
 
@@ -337,6 +408,22 @@ class OpenAIRoutes:
             return json_response(_server_error(str(exc)), status=500)
         except RequestTimeoutError as exc:
             return json_response(_timeout_error(str(exc)), status=408)
+
+
+def _tool_mode(tools: list[dict], tool_choice) -> str:
+    if not tools or tool_choice == "none":
+        return "none"
+    if tool_choice in (None, "auto"):
+        return "auto"
+    return "forced"
+
+
+def _tool_parser(mode: str):
+    if mode == "auto":
+        return ToolCallParser()
+    if mode == "forced":
+        return ForcedCallCollector()
+    return None
 
 
 def _timeout_error(message: str) -> dict:

@@ -26,6 +26,18 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields common to completions and chat (OpenAI's, then vLLM's extensions)."""
 
@@ -50,6 +62,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -75,6 +88,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class RequestError(Exception):

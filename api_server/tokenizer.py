@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from api_server.protocol import RequestError
@@ -27,6 +28,8 @@ class TextTokenizer:
             eos.add(self.delegate.eos_token_id)
         self.eos_token_ids = eos
         self.vocab_size = len(self.delegate)
+        template = self.delegate.chat_template or ""
+        self.template_takes_tools = isinstance(template, str) and "tools" in template
 
     @property
     def eos(self) -> int:
@@ -91,6 +94,10 @@ class TextTokenizer:
                 f"this model's context of {self.max_model_len} tokens", param="max_tokens",
                 code="context_length_exceeded")
         max_new = room if params.max_new_tokens is None else params.max_new_tokens
+        json_schema = (request.response_format or {}).get("json_schema")
+        if json_schema is not None and params.ignore_eos:
+            # The grammar ends the output with EOS; ignoring it would run past the grammar.
+            params = msgspec.structs.replace(params, ignore_eos=False)
         return TextContext(
             request_id=request.id,
             max_length=len(ids) + max_new,
@@ -101,6 +108,7 @@ class TextTokenizer:
             model_name=request.model_name,
             log_probabilities=request.logprobs,
             log_probabilities_echo=request.echo,
+            json_schema=json_schema,
         )
 
 

@@ -21,7 +21,7 @@ class TokenGeneratorRequestTool(TypedDict):
 
 class TokenGeneratorResponseFormat(TypedDict, total=False):
     type: str
-    json_schema: dict
+    json_schema: dict | str  # the schema, or its JSON text once validated
 
 
 class TokenGeneratorRequestMessage(TypedDict, total=False):

@@ -262,6 +262,7 @@ def new_request_for_worker(ctx: TextContext) -> NewRequest:
         echo_logprobs=ctx.log_probabilities_echo,
         prompt_len=ctx.prompt_length,
         prompt_token_ids=ctx.prompt_tokens.copy() if params.repetition_penalty != 1.0 else None,
+        json_schema=ctx.json_schema,
     )
 
 

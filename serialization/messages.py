@@ -75,6 +75,8 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_len: int = 0
     # Only sent when the repetition penalty needs them.
     prompt_token_ids: np.ndarray | None = None
+    # Constrained decoding: outputs must match this JSON schema.
+    json_schema: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

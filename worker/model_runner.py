@@ -14,6 +14,7 @@ from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cach
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.llama import LlamaForCausalLM
 from worker.logits_processors import process_logits
+from worker.structured_output import GrammarCompiler
 from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.sampler import RequestSamplingState, sample
 from worker.weights import load_checkpoint_weights
@@ -44,6 +45,8 @@ class ModelRunner:
                 f"full-length sequence ({self.max_model_len}); give it at least {need} bytes "
                 f"(--kv-cache-memory) or lower --max-model-len"
             )
+        self.grammars = GrammarCompiler(cfg.model_dir)
+        self.grammars.warm_up_in_background()
         self.kv_cache = allocate_kv_cache(self.config, self.dtype, self.num_blocks, cfg.block_size)
         self.requests: dict[str, RequestSamplingState] = {}
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
@@ -61,9 +64,12 @@ class ModelRunner:
     def execute(self, step: StepBatch) -> StepResult:
         """Run the step's forward pass, sample, and compute the log probabilities asked for."""
         for new in step.new_requests:
-            self.requests[new.request_id] = RequestSamplingState.create(
+            state = RequestSamplingState.create(
                 new.sampling_params, new.eos_token_ids, new.sampling_params.logit_bias,
                 new.logprobs, new.prompt_token_ids, new.echo_logprobs, new.prompt_len)
+            if new.json_schema is not None:
+                state.matcher = self._matcher(new.request_id, new.json_schema)
+            self.requests[new.request_id] = state
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
 
@@ -91,7 +97,15 @@ class ModelRunner:
                 batch_states = [states[i] for i in sample_seqs]
                 wants_logprobs = [j for j, st in enumerate(batch_states) if st.logprobs]
                 raw = sample_logits[wants_logprobs].clone() if wants_logprobs else None
-                tokens = sample(process_logits(sample_logits, batch_states), batch_states)
+                process_logits(sample_logits, batch_states)
+                constrained = [(j, st.matcher) for j, st in enumerate(batch_states) if st.matcher]
+                if constrained:
+                    self.grammars.apply_masks(sample_logits, constrained)
+                tokens = sample(sample_logits, batch_states)
+                for j, matcher in constrained:
+                    if not matcher.consume_token(int(tokens[j])):
+                        logger.warning("grammar rejected token %d: %s", int(tokens[j]),
+                                       matcher.get_error())
                 out.sampled_token_ids[sample_seqs] = tokens.numpy()
                 for st, token in zip(batch_states, tokens.tolist()):
                     st.output_tokens.append(token)
@@ -100,6 +114,14 @@ class ModelRunner:
                     out.logprob_seqs = [int(sample_seqs[j]) for j in wants_logprobs]
                     out.sampled_logprobs = token_logprobs(raw, tokens[wants_logprobs], top_n)
         return out
+
+
+    def _matcher(self, request_id: str, json_schema: str):
+        try:
+            return self.grammars.matcher_for(json_schema)
+        except Exception as exc:  # validated by the API already; never fail the whole step
+            logger.error("request %s: grammar failed to compile: %s", request_id, exc)
+            return None
 
 
 def _build_model(

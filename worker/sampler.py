@@ -32,6 +32,7 @@ class RequestSamplingState:
     prompt_len: int = 0
     echo_next: int = 1
     echo_carry: torch.Tensor | None = None
+    matcher: object | None = None  # llguidance matcher for constrained decoding
 
     @classmethod
     def create(cls, params: SamplingParams, eos_token_ids: list[int] = (),

@@ -1,0 +1,186 @@
+"""Tool calls on chat completions.
+
+- `tool_choice` "required" or a named function: decoding is constrained to a JSON value that
+  is a valid call (its arguments validate against the tool's parameter schema).
+- "auto": the model calls tools in the Hermes format its chat template teaches it,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `ToolCallParser` cuts those
+  blocks out of the text stream (never leaking a partial tag) and turns them into tool calls.
+  Templates that take no `tools` get the tool list and the format in a system message.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from api_server.protocol import RequestError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+
+def check_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict], str | None]:
+    """Validated tools and the forced function name (None unless one is named)."""
+    tools = tools or []
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError("each tool needs type 'function' and a function name",
+                               param=f"tools[{i}]")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise RequestError("function parameters must be a JSON schema object",
+                               param=f"tools[{i}].function.parameters")
+        names.append(fn["name"])
+    if tool_choice in (None, "none", "auto"):
+        return tools, None
+    if tool_choice == "required":
+        if not tools:
+            raise RequestError("tool_choice 'required' needs tools", param="tool_choice")
+        return tools, None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise RequestError(f"tool_choice names an unknown function {name!r}",
+                               param="tool_choice")
+        return tools, name
+    raise RequestError("tool_choice must be 'none', 'auto', 'required' or a named function",
+                       param="tool_choice")
+
+
+def _closed(schema: dict) -> dict:
+    """Objects without an explicit additionalProperties get `false` (OpenAI's strict mode):
+    a call then holds exactly the declared arguments, which still validates against the
+    original schema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed_values(v) if k in ("properties", "$defs", "definitions") else
+           ([_closed(x) for x in v] if k in ("anyOf", "oneOf", "allOf") and isinstance(v, list)
+            else _closed(v) if k == "items" else v)
+           for k, v in schema.items()}
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_values(mapping):
+    return {k: _closed(v) for k, v in mapping.items()} if isinstance(mapping, dict) else mapping
+
+
+def _call_schema(tool: dict) -> dict:
+    fn = tool["function"]
+    params = _closed(fn.get("parameters") or {"type": "object"})
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def forced_call_schema(tools: list[dict], name: str | None) -> dict:
+    """The JSON every output must match: one call of `name`, or one or more calls of any tool."""
+    if name is not None:
+        return _call_schema(next(t for t in tools if t["function"]["name"] == name))
+    return {"type": "array", "minItems": 1,
+            "items": {"anyOf": [_call_schema(t) for t in tools]}}
+
+
+def calls_from_json(text: str) -> list[ToolCall]:
+    value = json.loads(text)
+    items = value if isinstance(value, list) else [value]
+    return [ToolCall(item["name"], json.dumps(item.get("arguments", {}))) for item in items]
+
+
+def tools_system_prompt(tools: list[dict]) -> str:
+    listing = "\n".join(json.dumps(t["function"]) for t in tools)
+    return ("You can call functions. The available functions are:\n" + listing +
+            f"\nTo call one, reply with {OPEN}{{\"name\": <function name>, \"arguments\": "
+            f"<arguments object>}}{CLOSE} and nothing else.")
+
+
+class ToolCallParser:
+    """Splits streamed text into plain content and Hermes-style tool calls."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.inside = False
+        self.calls: list[ToolCall] = []
+
+    def push(self, delta: str) -> tuple[str, list[ToolCall]]:
+        """Returns (content safe to show now, tool calls completed by this delta)."""
+        self.buffer += delta
+        content, done = [], []
+        while True:
+            if not self.inside:
+                at = self.buffer.find(OPEN)
+                if at < 0:
+                    keep = _partial_suffix(self.buffer, OPEN)
+                    content.append(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    break
+                content.append(self.buffer[:at])
+                self.buffer = self.buffer[at + len(OPEN):]
+                self.inside = True
+            else:
+                end = self.buffer.find(CLOSE)
+                if end < 0:
+                    break
+                body = self.buffer[:end]
+                calls = self._parse(body)
+                if calls:
+                    done += calls
+                else:  # not a call after all: show it as it was written
+                    content.append(OPEN + body + CLOSE)
+                self.buffer = self.buffer[end + len(CLOSE):]
+                self.inside = False
+        return "".join(content), done
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """End of output: an unclosed call is parsed if it is complete JSON, else shown."""
+        rest, self.buffer = self.buffer, ""
+        if self.inside:
+            self.inside = False
+            calls = self._parse(rest)
+            return ("" if calls else OPEN + rest), calls
+        return rest, []
+
+    def _parse(self, body: str) -> list[ToolCall]:
+        try:
+            calls = calls_from_json(body.strip())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return []
+        self.calls += calls
+        return calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ForcedCallCollector:
+    """tool_choice 'required' or named: the whole output is the (grammar-checked) call JSON."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def push(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.text += delta
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        try:
+            return "", calls_from_json(self.text)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return self.text, []  # cut short (max_tokens): show what there is

@@ -1,0 +1,170 @@
+"""Resident memory of a server process and its descendants, from /proc (Linux only).
+
+For the soak test: which processes make up a running loom (the API server, its worker,
+scheduler and multiprocessing resource_tracker), and their VmRSS now. The worker's KV cache is
+one big zero-filled anonymous mapping whose pages become resident only when a block is first
+written, so its RSS grows with the blocks the scheduler has handed out so far, which is not a
+leak; `kv_rss_kb` reports that mapping's resident part separately.
+"""
+
+from __future__ import annotations
+
+import os
+
+KB = 1024
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start time in clock ticks) of `pid`, or None when it is gone."""
+    text = _read(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> list[int]:
+    """`root`'s children, grandchildren, ... (not `root` itself), oldest first."""
+    parents: dict[int, list[int]] = {}
+    started: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        info = _stat(int(name))
+        if info is not None:
+            parents.setdefault(info[0], []).append(int(name))
+            started[int(name)] = info[1]
+    found, todo = [], [root]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return sorted(found, key=lambda pid: (started.get(pid, 0), pid))
+
+
+def cmdline(pid: int) -> str:
+    text = _read(f"/proc/{pid}/cmdline") or ""
+    return text.replace("\0", " ").strip()
+
+
+def role(pid: int, root: int) -> str:
+    """What a loom process is: the API server (root), the worker (the spawned child that maps
+    libtorch), the scheduler (the other spawned child), or multiprocessing's resource_tracker."""
+    if pid == root:
+        return "api-server"
+    cmd = cmdline(pid)
+    if "resource_tracker" in cmd:
+        return "resource-tracker"
+    if "multiprocessing.spawn" in cmd or "--multiprocessing-fork" in cmd:
+        maps = _read(f"/proc/{pid}/maps") or ""
+        return "worker" if "libtorch" in maps else "scheduler"
+    return "child:" + ((_read(f"/proc/{pid}/comm") or "?").strip())
+
+
+def status_kb(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile, Threads of /proc/<pid>/status (kB; Threads a count)."""
+    values = {}
+    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "Threads"):
+            try:
+                values[key] = int(rest.split()[0])
+            except (IndexError, ValueError):
+                pass
+    return values
+
+
+def anonymous_mappings(pid: int) -> list[tuple[int, int]]:
+    """(size kB, resident kB) of every anonymous, unnamed mapping of `pid` (from smaps)."""
+    out: list[tuple[int, int]] = []
+    size = None
+    anonymous = False
+    for line in (_read(f"/proc/{pid}/smaps") or "").splitlines():
+        first = line.split(None, 1)[0] if line else ""
+        if "-" in first and not first.endswith(":"):
+            parts = line.split()
+            anonymous = len(parts) < 6  # no path, no [heap]/[stack] tag
+            size = None
+        elif first == "Size:":
+            size = int(line.split()[1])
+        elif first == "Rss:" and anonymous and size is not None:
+            out.append((size, int(line.split()[1])))
+    return out
+
+
+def kv_mapping_rss_kb(pid: int, kv_bytes: int | None) -> tuple[int, int] | None:
+    """(size kB, resident kB) of the worker's KV cache mapping: the anonymous mapping whose
+    size is within 3 % of `kv_bytes` (the size the server logged), else the largest anonymous
+    mapping of 1 GiB or more; None when there is no such mapping."""
+    maps = anonymous_mappings(pid)
+    if not maps:
+        return None
+    if kv_bytes:
+        want = kv_bytes / KB
+        close = [m for m in maps if abs(m[0] - want) <= 0.03 * want]
+        if close:
+            return min(close, key=lambda m: abs(m[0] - want))
+    biggest = max(maps)
+    return biggest if biggest[0] >= (1 << 20) else None
+
+
+def snapshot(root: int, kv_bytes: int | None = None) -> list[dict]:
+    """One row per live process of the tree rooted at `root` (root first)."""
+    rows = []
+    for pid in [root] + descendants(root):
+        status = status_kb(pid)
+        if "VmRSS" not in status:
+            continue  # gone, or a zombie
+        row = {"pid": pid, "role": role(pid, root), "rss_kb": status["VmRSS"],
+               "hwm_kb": status.get("VmHWM"), "anon_kb": status.get("RssAnon"),
+               "threads": status.get("Threads")}
+        if row["role"] == "worker":
+            kv = kv_mapping_rss_kb(pid, kv_bytes)
+            if kv is not None:
+                row["kv_mapping_kb"], row["kv_rss_kb"] = kv
+                row["rss_excl_kv_kb"] = row["rss_kb"] - kv[1]
+        rows.append(row)
+    return rows
+
+
+def listening_pid(port: int) -> int | None:
+    """The process holding the listening TCP socket on `port` (the oldest holder, when a
+    child inherited it); None when it is not ours to see."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in (_read(table) or "").splitlines()[1:]:
+            parts = line.split()
+            if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(parts[9])
+    if not inodes:
+        return None
+    targets = {f"socket:[{inode}]" for inode in inodes}
+    holders = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}") in targets:
+                    holders.append(int(name))
+                    break
+            except OSError:
+                continue
+    if not holders:
+        return None
+    # An inheriting child's parent holds it too: the holder whose parent does not.
+    holder_set = set(holders)
+    roots = [pid for pid in holders if (_stat(pid) or (0, 0))[0] not in holder_set]
+    return min(roots or holders)

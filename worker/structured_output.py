@@ -1,0 +1,97 @@
+"""Constrained decoding with llguidance: a grammar (from a JSON schema) masks the logits of a
+request's rows so every sampled token keeps the output valid.
+
+- The llguidance tokenizer is built once per worker (about 2 s), in a background thread right
+  after start-up, so neither start-up nor the first structured request waits for it.
+- Each distinct schema is compiled once; requests get a cheap deep copy of the compiled matcher.
+- Masks of all constrained rows are computed in one call across Rust threads (GIL released).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+import torch
+
+from pipelines.grammar import grammar_for_json_schema
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self._tokenizer = None
+        self._ready = threading.Event()
+        self._error: Exception | None = None
+        self._templates: OrderedDict[str, object] = OrderedDict()
+        self._executor = None
+
+    def warm_up_in_background(self) -> None:
+        threading.Thread(target=self._load, name="llguidance-tokenizer", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            import llguidance
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(self.model_dir)
+            self._tokenizer = llguidance.hf.from_tokenizer(hf)
+            self._executor = llguidance.LLExecutor()
+        except Exception as exc:  # reported on the first structured request
+            self._error = exc
+            logger.warning("structured output unavailable: %s", exc)
+        finally:
+            self._ready.set()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.vocab_size
+
+    def matcher_for(self, json_schema: str):
+        """A fresh matcher for `json_schema` (compiled once, then copied)."""
+        self._ready.wait()  # the background load started with the worker
+        if self._error is not None:
+            raise RuntimeError(f"structured output unavailable: {self._error}")
+        template = self._templates.get(json_schema)
+        if template is None:
+            import llguidance
+
+            grammar = grammar_for_json_schema(json_schema)
+            template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(template.get_error())
+            self._templates[json_schema] = template
+            if len(self._templates) > _CACHE_SIZE:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(json_schema)
+        return template.deep_copy()
+
+    def apply_masks(self, logits: torch.Tensor, matchers: list[tuple[int, object]]) -> None:
+        """Mask rows of `logits` [B, V] in place: row i only keeps what matcher i allows."""
+        import llguidance.torch as llt
+
+        rows = [row for row, _ in matchers]
+        bitmask = llt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        llt.fill_next_token_bitmask_par(self._executor,
+                                        [(m, i) for i, (_, m) in enumerate(matchers)], bitmask)
+        allowed = _unpack(bitmask, self.vocab_size)
+        vocab = logits.shape[1]
+        keep = torch.zeros((len(rows), vocab), dtype=torch.bool)
+        n = min(vocab, self.vocab_size)
+        keep[:, :n] = allowed[:, :n]
+        index = torch.tensor(rows)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 words of 32 token bits each -> bool [B, vocab]."""
+    bits = torch.arange(32, dtype=torch.int32)
+    expanded = (bitmask.unsqueeze(-1) >> bits) & 1
+    return expanded.flatten(1)[:, :vocab].bool()
