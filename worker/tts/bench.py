@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import worker.tts as tts
+from worker import tts
 
 TEXT = (
     "Speech synthesis turns written language into sound, and a good system has to "
@@ -63,7 +63,9 @@ def batch_throughput(voice: Any, batch_size: int) -> tuple[float, float]:
     ids.sort(key=len)
     groups = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
     padded = sum(len(g) * max(map(len, g)) for g in groups)
-    audio, wall, _ = timed(lambda: [a for g in groups for a in voice.synthesize_batch(g)])
+    audio, wall, _ = timed(
+        lambda: [a for g in groups for a in voice.synthesize_batch(g)]
+    )
     seconds = sum(len(a) for a in audio) / voice.sample_rate
     return seconds / wall, padded / sum(map(len, ids)) - 1
 
@@ -71,7 +73,9 @@ def batch_throughput(voice: Any, batch_size: int) -> tuple[float, float]:
 def run(threads: int, spinning: bool, batch_sizes: Sequence[int]) -> None:
     print(f"\n== intra_op_threads={threads} allow_spinning={spinning}")
     voice, load_s, _ = timed(
-        lambda: tts.load_default_voice(intra_op_threads=threads, allow_spinning=spinning)
+        lambda: tts.load_default_voice(
+            intra_op_threads=threads, allow_spinning=spinning
+        )
     )
     print(f"load {load_s:.2f} s, RSS {rss_mib()[0]:.0f} MiB")
     sentence = tts.text_to_segments("This is the first request after loading.")[0]
