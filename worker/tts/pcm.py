@@ -23,7 +23,8 @@ def peak_normalize(audio: np.ndarray) -> np.ndarray:
     peak = np.max(np.abs(audio))
     if peak < _SILENCE_PEAK:
         return np.zeros_like(audio, dtype=np.float32)
-    return np.clip(audio / peak, -1.0, 1.0).astype(np.float32)
+    normalized: np.ndarray = np.clip(audio / peak, -1.0, 1.0).astype(np.float32)
+    return normalized
 
 
 def to_int16(audio: np.ndarray) -> np.ndarray:
