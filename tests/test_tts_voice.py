@@ -55,7 +55,9 @@ LONG_TEXT = (
 
 @pytest.fixture(scope="module")
 def voice() -> OnnxVoice:
-    return tts.load_default_voice()
+    loaded = tts.load_default_voice()
+    tts.warm_up(loaded)
+    return loaded
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Public API:
     VOICE_ID, SAMPLE_RATE, MAX_INPUT_CHARS
     is_available()                 -> bool: are the optional packages installed?
     default_voice_config()         -> VoiceConfig (JSON only, cheap, cached)
-    load_default_voice(...)        -> OnnxVoice (≈1.5 s; load once per process)
+    load_default_voice(...)        -> OnnxVoice (≈2 s; load once per process)
+    warm_up(voice)                 -> None: espeak-ng's first use costs ≈0.12 s; pay it at start
     text_to_segments(text)         -> list[Segment] (ValueError: empty/too long/unspeakable)
     synthesize_segments(voice, segments, speed) -> iterator of int16 PCM, one per segment
     to_int16(float_pcm)            -> int16 PCM
@@ -74,6 +75,7 @@ __all__ = [
     "synthesize_segments",
     "text_to_segments",
     "to_int16",
+    "warm_up",
 ]
 
 
@@ -118,6 +120,12 @@ def synthesize_segments(
     """Int16 PCM for each segment in turn: stream each chunk as soon as it is yielded."""
     for segment in segments:
         yield to_int16(voice.synthesize(segment.phoneme_ids, speed))
+
+
+def warm_up(voice: OnnxVoice) -> None:
+    """Initialize espeak-ng and onnxruntime's buffers before the first request."""
+    for segment in text_to_segments("Ready.", voice.config):
+        voice.synthesize(segment.phoneme_ids)
 
 
 def _voice_package() -> ModuleType:
