@@ -244,7 +244,8 @@ def check_result(spec: Spec, texts: dict[int, str], finish: dict[int, str | None
         return "no usage"
     completion = usage.get("completion_tokens")
     if not isinstance(completion, int) or completion < 0 or completion > spec.n * spec.max_tokens:
-        return f"usage.completion_tokens {completion!r} with max_tokens {spec.max_tokens} x n={spec.n}"
+        return (f"usage.completion_tokens {completion!r} with max_tokens {spec.max_tokens} "
+                f"x n={spec.n}")
     if spec.n == 1 and finish.get(0) == "length" and completion != spec.max_tokens:
         return f"finish_reason length after {completion} of {spec.max_tokens} tokens"
     if spec.prompt_ids is not None and usage.get("prompt_tokens") != len(spec.prompt_ids):

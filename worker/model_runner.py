@@ -88,6 +88,7 @@ class ModelRunner:
         rows = [last_rows[sample_seqs]] + [p.rows for p in echo_plans]
         logits_rows = torch.from_numpy(np.concatenate(rows))
         input_ids = torch.from_numpy(step.input_ids.astype(np.int64))
+        constrained = [j for j, i in enumerate(sample_seqs) if states[i].matcher is not None]
         with torch.inference_mode():
             logits = self.model(input_ids, meta, self.kv_cache, logits_rows)
             sample_logits = logits[: len(sample_seqs)]
@@ -98,11 +99,13 @@ class ModelRunner:
                 wants_logprobs = [j for j, st in enumerate(batch_states) if st.logprobs]
                 raw = sample_logits[wants_logprobs].clone() if wants_logprobs else None
                 process_logits(sample_logits, batch_states)
-                constrained = [(j, st.matcher) for j, st in enumerate(batch_states) if st.matcher]
                 if constrained:
-                    self.grammars.apply_masks(sample_logits, constrained)
+                    allowed = self.grammars.compute_masks([batch_states[j].matcher
+                                                           for j in constrained])
+                    self.grammars.apply_masks(sample_logits, constrained, allowed)
                 tokens = sample(sample_logits, batch_states)
-                for j, matcher in constrained:
+                for j in constrained:
+                    matcher = batch_states[j].matcher
                     if not matcher.consume_token(int(tokens[j])):
                         logger.warning("grammar rejected token %d: %s", int(tokens[j]),
                                        matcher.get_error())
