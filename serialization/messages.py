@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from pipelines.context import TextContext
+from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
 
@@ -44,17 +45,25 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     step_overheads: list[float] = []
 
 
+class EmbeddingOutput(msgspec.Struct, array_like=True):
+    request_id: str
+    embedding: np.ndarray  # float32 [dim]
+    error: str | None = None
+
+
 class ResponseBatch(msgspec.Struct, tag=True):
     """One step's worth of outputs for every request that produced something."""
 
     outputs: list[TextGenerationOutput]
     stats: SchedulerStats | None = None
+    embeddings: list[EmbeddingOutput] = []
 
 
 class SchedulerReady(msgspec.Struct, tag=True):
     num_blocks: int
     block_size: int
     max_model_len: int
+    task: str = "generate"
 
 
 class SchedulerFailed(msgspec.Struct, tag=True):
@@ -117,6 +126,23 @@ class StepBatch(msgspec.Struct, tag=True):
     sent_at: float = 0.0
 
 
+class EmbedStep(msgspec.Struct, tag=True):
+    """Inputs to embed in one padded forward: `input_ids` holds them back to back."""
+
+    step_id: int
+    request_ids: list[str]
+    input_ids: np.ndarray  # int32 [sum(lengths)]
+    lengths: np.ndarray  # int32 [n]
+
+
+class EmbedResult(msgspec.Struct, tag=True):
+    step_id: int
+    embeddings: np.ndarray  # float32 [n, dim]
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    error: str | None = None
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -139,13 +165,14 @@ class WorkerReady(msgspec.Struct, tag=True):
     block_size: int
     max_model_len: int
     eos_token_ids: list[int]
+    task: str = "generate"  # or "embed"
 
 
 class WorkerFailed(msgspec.Struct, tag=True):
     message: str
 
 
-RequestMessage = TextContext
+RequestMessage = Union[TextContext, EmbeddingsContext]
 ResponseMessage = Union[ResponseBatch, SchedulerReady, SchedulerFailed]
-StepMessage = Union[StepBatch, Shutdown]
-ResultMessage = Union[StepResult, WorkerReady, WorkerFailed]
+StepMessage = Union[StepBatch, EmbedStep, Shutdown]
+ResultMessage = Union[StepResult, EmbedResult, WorkerReady, WorkerFailed]

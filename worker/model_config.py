@@ -56,6 +56,7 @@ class RunnerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     kv_cache_memory: int | None = None  # bytes; None = derived from free RAM
+    task: str = "generate"  # "generate" (a causal LM) or "embed" (a sentence encoder)
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
@@ -67,6 +68,26 @@ def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
     if requested > limit:
         raise ValueError(f"--max-model-len {requested} exceeds the model's limit of {limit}")
     return requested
+
+
+ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
+
+
+def detect_task(model_dir: str) -> str:
+    """"embed" for a BERT-style encoder or a sentence-transformers checkpoint, else
+    "generate"."""
+    path = os.path.join(model_dir, "config.json")
+    raw = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f)
+    archs = set(raw.get("architectures") or [])
+    if archs & ENCODER_ARCHITECTURES or raw.get("model_type") == "bert":
+        return "embed"
+    if os.path.isfile(os.path.join(model_dir, "modules.json")) and not archs & set(
+            SUPPORTED_ARCHITECTURES):
+        return "embed"
+    return "generate"
 
 
 def load_model_config(model_dir: str) -> ModelConfig:

@@ -12,6 +12,8 @@ import zmq
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
+    EmbedResult,
+    EmbedStep,
     Shutdown,
     StepMessage,
     StepResult,
@@ -40,21 +42,14 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     encode = msgpack_numpy_encoder()
     decode = msgpack_numpy_decoder(StepMessage, copy=False)
 
-    from worker.model_runner import ModelRunner
-
     try:
-        runner = ModelRunner(runner_config)
+        runner = _load_runner(runner_config)
     except Exception as exc:  # reported to the user as one line by `loom serve`
         logger.debug("model load failed", exc_info=True)
         results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.5)  # let the message leave before the process exits
         sys.exit(1)
-    results.send(encode(WorkerReady(
-        num_blocks=runner.num_blocks,
-        block_size=runner.block_size,
-        max_model_len=runner.max_model_len,
-        eos_token_ids=runner.eos_token_ids,
-    )))
+    results.send(encode(_ready_message(runner, runner_config.task)))
 
     while True:
         frame = steps.recv(copy=False)
@@ -65,18 +60,49 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
         if isinstance(msg, Shutdown):
             break
         try:
-            result = runner.execute(msg)
+            result = _run_step(runner, msg)
             result.started_at, result.finished_at = started, time.monotonic()
         except Exception as exc:
             logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
-            result = StepResult(step_id=msg.step_id, sampled_token_ids=sampled_none(msg),
-                                started_at=started, finished_at=time.monotonic(),
-                                error=f"{type(exc).__name__}: {exc}")
+            result = _failed(msg, f"{type(exc).__name__}: {exc}")
+            result.started_at, result.finished_at = started, time.monotonic()
         results.send(encode(result))
     zctx.destroy(linger=0)
 
 
-def sampled_none(step):
+def _load_runner(cfg):
+    if cfg.task == "embed":
+        from worker.embedding_runner import EmbeddingRunner
+
+        return EmbeddingRunner(cfg.model_dir, cfg.dtype)
+    from worker.model_runner import ModelRunner
+
+    return ModelRunner(cfg)
+
+
+def _ready_message(runner, task: str) -> WorkerReady:
+    if task == "embed":
+        return WorkerReady(num_blocks=0, block_size=0, max_model_len=runner.max_model_len,
+                           eos_token_ids=[], task="embed")
+    return WorkerReady(num_blocks=runner.num_blocks, block_size=runner.block_size,
+                       max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
+
+
+def _run_step(runner, msg):
+    if isinstance(msg, EmbedStep):
+        import numpy as np
+
+        inputs = np.split(msg.input_ids, np.cumsum(msg.lengths)[:-1])
+        return EmbedResult(step_id=msg.step_id, embeddings=runner.encode(inputs))
+    return runner.execute(msg)
+
+
+def _failed(msg, error: str):
     import numpy as np
 
-    return np.full(len(step.request_ids), -1, dtype=np.int32)
+    if isinstance(msg, EmbedStep):
+        return EmbedResult(step_id=msg.step_id, embeddings=np.zeros((0, 0), np.float32),
+                           error=error)
+    return StepResult(step_id=msg.step_id,
+                      sampled_token_ids=np.full(len(msg.request_ids), -1, dtype=np.int32),
+                      error=error)

@@ -1,0 +1,30 @@
+"""Embeddings: the context of one input to embed, and the EmbeddingsGenerator interface."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+
+class EmbeddingsContext(msgspec.Struct, tag=True, kw_only=True, eq=False):
+    """One tokenized input of an embeddings request (a request with N inputs has N)."""
+
+    tokens: np.ndarray
+    request_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
+    model_name: str = ""
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens)
+
+
+class EmbeddingsResponse(msgspec.Struct):
+    embeddings: np.ndarray
+
+
+@runtime_checkable
+class EmbeddingsGenerator(Protocol):
+    def encode(self, batch: dict[str, EmbeddingsContext]) -> dict[str, Any]: ...
