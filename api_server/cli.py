@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--task", choices=["auto", "generate", "embed"], default="auto",
                    help="generate text, or serve /v1/embeddings; auto detects an encoder "
                         "(BERT-style config, sentence-transformers files) as embed")
+    s.add_argument("--no-speech", action="store_true",
+                   help="do not serve the default voice on /v1/audio/speech (it is served "
+                        "beside a text model when the [tts] extra is installed)")
+    s.add_argument("--deterministic-speech", action="store_true",
+                   help="synthesize without the voice's noise (same text, same samples)")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients use; default: the model directory's name")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -98,7 +103,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
         max_request_bytes=args.max_request_bytes,
         api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
-        task=resolve_task(args.task, model_dir),
+        task=resolve_task(args.task, model_dir), speech=not args.no_speech,
+        speech_noise=not args.deterministic_speech,
     )
 
 

@@ -16,10 +16,12 @@ import numpy as np
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
+from pipelines.tts_context import TTSContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
+    AudioChunk,
     CancelRequest,
     ResponseBatch,
     ResponseMessage,
@@ -60,6 +62,7 @@ class EngineClient:
         self.metrics = metrics
         self._ended_early: dict[str, str] = {}
         self._embed_waiters: dict[str, asyncio.Future] = {}
+        self.audio_streams: dict[str, asyncio.Queue] = {}
         # Admission bookkeeping: requests admitted or sent that have produced nothing yet.
         # A reservation is made when a request is admitted, before its stream starts, so a
         # burst of requests can't all pass the check before any of them is counted.
@@ -125,6 +128,10 @@ class EngineClient:
                 if msg.embeddings and self.metrics is not None:
                     self.metrics.embedding_batches.inc()
                     self.metrics.embedding_inputs.inc(len(msg.embeddings))
+                for chunk in msg.audio:
+                    queue = self.audio_streams.get(chunk.request_id)
+                    if queue is not None:
+                        queue.put_nowait(chunk)
                 for item in msg.embeddings:
                     waiter = self._embed_waiters.pop(item.request_id, None)
                     if waiter is not None and not waiter.done():
@@ -150,6 +157,33 @@ class EngineClient:
         for waiter in self._embed_waiters.values():
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(f"the engine stopped: {reason}"))
+        for request_id, queue in self.audio_streams.items():
+            queue.put_nowait(AudioChunk(request_id=request_id, audio=np.zeros(0, np.int16),
+                                        index=-1, is_last=True,
+                                        error=f"the engine stopped: {reason}"))
+
+    async def speak(self, ctx: TTSContext) -> AsyncIterator[AudioChunk]:
+        """Send a speech context; yield its audio chunks as they are synthesized. Leaving
+        early cancels the rest in the scheduler."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.audio_streams[ctx.request_id] = queue
+        tokens = self._reserved.pop(ctx.request_id, (0, 0.0))[0]
+        finished = False
+        try:
+            await self.requests.send(self.encode(ctx), copy=False)
+            while not finished:
+                chunk = await queue.get()
+                if chunk.error is not None:
+                    raise GenerationFailed(chunk.error)
+                finished = chunk.is_last
+                yield chunk
+        finally:
+            del self.audio_streams[ctx.request_id]
+            self.queued_tokens -= tokens
+            if not finished and not self.closed and self.dead_reason is None:
+                self.cancel([ctx.request_id])
 
     async def embed(self, contexts: list[EmbeddingsContext]) -> list[np.ndarray]:
         """Send embeddings inputs; returns their vectors in order. Cancelled if the caller is."""

@@ -30,6 +30,9 @@ class ExtraRoutes:
 
     async def get_model(self, request: Request) -> Response:
         model = request.path_params["model"]
+        for card in self.routes.extra_model_cards(self.routes.created):
+            if card["id"] == model:
+                return json_response(card)
         try:
             self.routes._check_model(model)
         except RequestError as exc:

@@ -26,6 +26,7 @@ from api_server.engine_client import EngineClient, EngineDeadError
 from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
 from api_server.server_state import AdmissionLimits, ServerState
+from api_server.speech_route import SpeechRoute
 from api_server.tokenizer import TextTokenizer
 from scheduler.process import SchedulerProcessConfig, run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
@@ -64,6 +65,8 @@ class ServeConfig:
     api_key: str | None = None
     max_request_bytes: int = 16 << 20
     task: str = "generate"
+    speech: bool = True
+    speech_noise: bool = True
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -136,7 +139,8 @@ class Launcher:
         runner_cfg = RunnerConfig(
             model_dir=cfg.model_dir, dtype=cfg.dtype, block_size=cfg.block_size,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-            kv_cache_memory=cfg.kv_cache_memory, task=cfg.task,
+            kv_cache_memory=cfg.kv_cache_memory, task=cfg.task, speech=cfg.speech,
+            speech_noise=cfg.speech_noise,
         )
         sched_cfg = SchedulerProcessConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -220,8 +224,9 @@ class Launcher:
         routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name, {cfg.model_dir},
                               max_model_len, state, cfg.request_timeout, cfg.task,
                               embedding_dim)
+        speech = SpeechRoute(engine, state, [], 0, metrics)
         app = build_app(state, routes, metrics, api_key=cfg.api_key,
-                        max_request_bytes=cfg.max_request_bytes)
+                        max_request_bytes=cfg.max_request_bytes, speech=speech)
         server = _Server(uvicorn.Config(
             app, log_level=cfg.log_level, access_log=cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
@@ -233,6 +238,7 @@ class Launcher:
         tasks.append(watcher)
         try:
             await self._wait_ready(engine, watcher)
+            speech.voices, speech.sample_rate = engine.ready.voices, engine.ready.sample_rate
             tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]
             logger.info("IPC sockets in %s", self.ipc_dir)

@@ -86,6 +86,9 @@ class Metrics:
         self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens fed to the model per step.", ITERATION_BUCKETS)
         self.step_overhead = histogram("step_overhead_seconds", "Worker idle time between steps (scheduling + IPC).", OVERHEAD_BUCKETS)
+        self.time_to_first_audio = histogram("time_to_first_audio_seconds", "Speech: time to the first audio chunk.", LATENCY_BUCKETS)
+        self.audio_seconds = counter("generated_audio_seconds", "Speech: seconds of audio generated.")
+        self.audio_real_time_factor = histogram("audio_real_time_factor", "Speech: synthesis time / audio duration, per request.", (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0))
         self.embedding_batches = counter("embedding_batches", "Forward passes of the embeddings model.")
         self.embedding_inputs = counter("embedding_inputs", "Inputs embedded.")
         self.request_success = Counter("loom:request_success", "Finished requests by reason.",

@@ -84,8 +84,11 @@ class OpenAIRoutes:
                 "owned_by": "loom", "root": self.model_name, "parent": None,
                 "max_model_len": self.max_model_len}
 
+    extra_model_cards = staticmethod(lambda created: [])  # set by the app: the voices
+
     async def list_models(self, request: Request) -> Response:
-        return json_response({"object": "list", "data": [self.model_card()]})
+        cards = [self.model_card(), *self.extra_model_cards(self.created)]
+        return json_response({"object": "list", "data": cards})
 
     # ---- shared -----------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

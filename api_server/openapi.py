@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
+from api_server.embeddings_route import EmbeddingRequest
 from api_server.extra_routes import DetokenizeRequest, TokenizeRequest
+from api_server.speech_route import SpeechRequest
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 
 _REF = "#/components/schemas/{name}"
@@ -47,6 +49,14 @@ def _post(schema: str, summary: str, stream: bool = False) -> dict:
     }}
 
 
+def _speech_post() -> dict:
+    op = _post("SpeechRequest", "Text to speech: the body is the audio", stream=True)
+    content = op["post"]["responses"]["200"]["content"]
+    for media in ("audio/wav", "audio/pcm"):
+        content[media] = {"schema": {"type": "string", "format": "binary"}}
+    return op
+
+
 def _get(summary: str, content_type: str = "application/json", errors=(401,)) -> dict:
     return {"get": {"summary": summary, "responses": _responses(*errors,
                                                                 content_type=content_type)}}
@@ -54,7 +64,8 @@ def _get(summary: str, content_type: str = "application/json", errors=(401,)) ->
 
 def build_openapi(version: str) -> dict:
     _, components = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+         EmbeddingRequest, SpeechRequest],
         ref_template=_REF,
     )
     components["Error"] = ERROR_SCHEMA
@@ -69,6 +80,8 @@ def build_openapi(version: str) -> dict:
             "/v1/completions": _post("CompletionRequest", "Text completion", stream=True),
             "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion",
                                           stream=True),
+            "/v1/embeddings": _post("EmbeddingRequest", "Embeddings (on an embeddings server)"),
+            "/v1/audio/speech": _speech_post(),
             "/tokenize": _post("TokenizeRequest", "Tokenize a prompt or chat messages"),
             "/detokenize": _post("DetokenizeRequest", "Token ids back to text"),
             "/v1/models": _get("Served models"),

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds (warm-up included) after which no new request is sent")
     p.add_argument("--grace", type=float, default=60.0,
                    help="seconds requests still running at --max-time get before being cut off")
-    p.add_argument("--request-timeout", type=float, default=300.0,
+    p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds after which a request counts as failed (client timeout)")
     p.add_argument("--cancel-fraction", type=float, default=0.10,
                    help="share of requests the client abandons mid-way")

@@ -5,17 +5,21 @@ reproducible and any single request can be rebuilt from its index. The mix (frac
 all requests):
 
 - route: 70 % /v1/completions, 30 % /v1/chat/completions; 60 % streamed;
-- prompt: 60 % short (5-64 tokens), 27 % medium (65-300), 13 % long (301-1,000), half of the
-  long ones a shared prefix (one of 8 fixed "documents") plus a unique tail, so the prefix
-  cache is exercised (and its reference counts, with cancellations in the mix); completion
-  prompts are token-id lists (60 %) or text, chat prompts text;
-- output: max_tokens 1-16 (60 %), 17-64 (28 %), 65-200 (12 %); 20 % of the completions
-  without stop strings set ignore_eos, so they run to max_tokens;
+- prompt: 72 % short (5-32 tokens), 21 % medium (33-160), 7 % long (161-1,000), 60 % of the
+  long ones a shared prefix (one of 8 fixed "documents" of 300-825 tokens) plus a unique
+  tail, so the prefix cache is exercised (and its reference counts, with cancellations in
+  the mix); completion prompts are token-id lists (60 %) or text, chat prompts text;
+- output: max_tokens 1-8 (80 %), 9-40 (17 %), 41-200 (3 %); 20 % of the completions without
+  stop strings set ignore_eos, so they run to max_tokens;
+
+The mix is skewed to short requests so that 10,000 of them take about half an hour on a
+2-core CPU with SmolLM2-135M (decode there is ~70-150 tok/s at concurrency 16, prefill
+~700-900 tok/s), while the long prompts and outputs still come by the hundreds.
 - sampling: temperature 0 or 1 (half each) with a seed (all of temperature 1, half of 0);
   25 % have one or two stop strings; 3 % ask for n=2;
 - cancellation: 10 % are abandoned by the client: a stream is closed after a random number of
   events (0 = right after the response headers), a non-streamed request times out after a
-  random 0.05-3 s (one that answers before that is an ordinary, checked, completion).
+  random 0.02-1.5 s (one that answers before that is an ordinary, checked, completion).
 """
 
 from __future__ import annotations
@@ -106,20 +110,20 @@ def shared_document_text(k: int) -> str:
 
 def _prompt_len(rng: np.random.Generator) -> tuple[str, int]:
     r = rng.random()
-    if r < 0.60:
-        return "short", int(rng.integers(5, 65))
-    if r < 0.87:
-        return "medium", int(rng.integers(65, 301))
-    return "long", int(rng.integers(301, 1001))
+    if r < 0.72:
+        return "short", int(rng.integers(5, 33))
+    if r < 0.93:
+        return "medium", int(rng.integers(33, 161))
+    return "long", int(rng.integers(161, 1001))
 
 
 def _max_tokens(rng: np.random.Generator) -> int:
     r = rng.random()
-    if r < 0.60:
-        return int(rng.integers(1, 17))
-    if r < 0.88:
-        return int(rng.integers(17, 65))
-    return int(rng.integers(65, 201))
+    if r < 0.80:
+        return int(rng.integers(1, 9))
+    if r < 0.97:
+        return int(rng.integers(9, 41))
+    return int(rng.integers(41, 201))
 
 
 def make_spec(seed: int, phase: str, index: int, model: str,
@@ -129,7 +133,7 @@ def make_spec(seed: int, phase: str, index: int, model: str,
     route = "completions" if rng.random() < 0.70 else "chat"
     stream = bool(rng.random() < 0.60)
     size, length = _prompt_len(rng)
-    shared = size == "long" and rng.random() < 0.5
+    shared = size == "long" and rng.random() < 0.6
     max_tokens = _max_tokens(rng)
     temperature = 0.0 if rng.random() < 0.5 else 1.0
     seed_value = int(rng.integers(0, 2**31)) if temperature > 0 or rng.random() < 0.5 else None
@@ -142,7 +146,7 @@ def make_spec(seed: int, phase: str, index: int, model: str,
         if stream:
             cancel = ("close", int(rng.integers(0, max(2, max_tokens // 2 + 2))))
         else:
-            cancel = ("timeout", round(float(rng.uniform(0.05, 3.0)), 3))
+            cancel = ("timeout", round(float(rng.uniform(0.02, 1.5)), 3))
     spec = Spec(phase=phase, index=index, route=route, stream=stream, prompt_kind="",
                 size=size, max_tokens=max_tokens, temperature=temperature, seed=seed_value,
                 stop=stop, ignore_eos=False, n=n, cancel=cancel)

@@ -18,12 +18,17 @@ import zmq
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
+from pipelines.tts_context import TTSContext
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
+from scheduler.speech_queue import SpeechQueue
 from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
+    AudioChunk,
+    AudioResult,
+    AudioStep,
     CancelRequest,
     EmbeddingOutput,
     EmbedResult,
@@ -70,8 +75,13 @@ class SchedulerLoop:
             self.poller.register(sock, zmq.POLLIN)
         self.scheduler: Scheduler | None = None
         self.embedder: EmbeddingBatcher | None = None  # when the worker serves embeddings
-        self.inflight: ScheduledStep | InflightEmbed | None = None
+        self.speech = SpeechQueue()
+        self.voices: list[str] = []
+        # Worker time spent on text and on speech while both had work: each gets half.
+        self._busy = {"text": 0.0, "audio": 0.0}
+        self.inflight: ScheduledStep | InflightEmbed | InflightAudio | None = None
         self._embed_step_id = 0
+        self._audio_step_id = 0
         self._last_stats = None
         self._last_result_at: float | None = None
         self._iteration_tokens: list[int] = []
@@ -92,6 +102,7 @@ class SchedulerLoop:
                 return None
 
     def start(self, ready: WorkerReady) -> None:
+        self.voices = ready.voices
         if ready.task == "embed":
             self.embedder = EmbeddingBatcher(self.cfg.max_embedding_batch_tokens,
                                              self.cfg.max_num_seqs)
@@ -107,7 +118,8 @@ class SchedulerLoop:
         )
         self.responses.send(self.encode(SchedulerReady(
             num_blocks=ready.num_blocks, block_size=ready.block_size,
-            max_model_len=ready.max_model_len, task=ready.task,
+            max_model_len=ready.max_model_len, task=ready.task, voices=ready.voices,
+            sample_rate=ready.sample_rate,
         )))
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -143,6 +155,8 @@ class SchedulerLoop:
                 sched.add_request(ctx)
             elif isinstance(ctx, EmbeddingsContext) and self.embedder is not None:
                 self.embedder.add(ctx)
+            elif isinstance(ctx, TTSContext) and self.voices:
+                self.speech.add(ctx)
             elif ctx is not None:
                 logger.warning("dropped a %s: the worker serves another task",
                                type(ctx).__name__)
@@ -157,6 +171,7 @@ class SchedulerLoop:
                     sched.abort(request_id)
                     if self.embedder is not None:
                         self.embedder.abort(request_id)
+                    self.speech.abort(request_id)
 
     def _drain_results(self) -> None:
         while True:
@@ -170,6 +185,8 @@ class SchedulerLoop:
                 self._apply_result(msg, received_at)
             elif isinstance(msg, EmbedResult):
                 self._apply_embed_result(msg)
+            elif isinstance(msg, AudioResult):
+                self._apply_audio_result(msg)
 
     def _apply_result(self, result: StepResult, received_at: float) -> None:
         step = self.inflight
@@ -178,6 +195,7 @@ class SchedulerLoop:
             return
         self.inflight = None
         self._last_result_at = received_at
+        self._busy["text"] += result.finished_at - result.started_at
         self._iteration_tokens.append(int(step.batch.query_lens.sum()))
         if step.follows_result_at is not None:
             self._step_overheads.append(result.started_at - step.follows_result_at)
@@ -222,11 +240,55 @@ class SchedulerLoop:
         self.inflight = InflightEmbed(step.step_id, step.request_ids)
         return True
 
+    def _apply_audio_result(self, result: AudioResult) -> None:
+        inflight = self.inflight
+        if not isinstance(inflight, InflightAudio) or result.step_id != inflight.step_id:
+            logger.warning("dropped a result for unexpected step %d", result.step_id)
+            return
+        self.inflight = None
+        seconds = result.finished_at - result.started_at
+        self._busy["audio"] += seconds
+        ctx = inflight.ctx
+        ctx.decoded_index += 1
+        failed = result.error is not None
+        chunk = AudioChunk(request_id=ctx.request_id, audio=result.audio,
+                           index=inflight.index, is_last=ctx.is_done or failed,
+                           synthesis_seconds=seconds, error=result.error)
+        if not failed:
+            self.speech.put_back(ctx)
+        self._drain_inputs()
+        self._start_next_step()
+        self.responses.send(self.encode(ResponseBatch(outputs=[], audio=[chunk])))
+
+    def _start_audio_step(self) -> None:
+        ctx = self.speech.take()
+        step = AudioStep(step_id=self._audio_step_id, request_id=ctx.request_id,
+                         phoneme_ids=ctx.next_segment(), speed=ctx.speed)
+        self._audio_step_id += 1
+        self.steps.send(self.encode(step), copy=False)
+        self.inflight = InflightAudio(step.step_id, ctx, ctx.decoded_index)
+
+    def _audio_turn(self) -> bool:
+        """Speech or text next? Alone, either runs; together they split the worker's time."""
+        if not self.speech.has_work:
+            self._busy = {"text": 0.0, "audio": 0.0}
+            return False
+        if not self.scheduler.has_work:
+            self._busy = {"text": 0.0, "audio": 0.0}
+            return True
+        return self._busy["audio"] <= self._busy["text"]
+
     def _start_next_step(self) -> bool:
         if self.embedder is not None:
             return self._start_embed_step()
+        if self._audio_turn():
+            self._start_audio_step()
+            return True
         step = self.scheduler.schedule()
         if step is None:
+            if self.speech.has_work:  # text is waiting on something: let speech run
+                self._start_audio_step()
+                return True
             return False
         step.follows_result_at = self._last_result_at
         step.batch.sent_at = time.monotonic()
@@ -248,6 +310,13 @@ class SchedulerLoop:
         except zmq.ZMQError:
             pass
         self.zctx.destroy(linger=linger_ms)
+
+
+@dataclass
+class InflightAudio:
+    step_id: int
+    ctx: TTSContext
+    index: int
 
 
 @dataclass

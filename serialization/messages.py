@@ -20,6 +20,7 @@ import numpy as np
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
+from pipelines.tts_context import TTSContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
 
@@ -51,12 +52,24 @@ class EmbeddingOutput(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
+class AudioChunk(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One synthesized segment of a speech request (int16 mono PCM)."""
+
+    request_id: str
+    audio: np.ndarray  # int16 [samples]
+    index: int
+    is_last: bool
+    synthesis_seconds: float = 0.0
+    error: str | None = None
+
+
 class ResponseBatch(msgspec.Struct, tag=True):
     """One step's worth of outputs for every request that produced something."""
 
     outputs: list[TextGenerationOutput]
     stats: SchedulerStats | None = None
     embeddings: list[EmbeddingOutput] = []
+    audio: list[AudioChunk] = []
 
 
 class SchedulerReady(msgspec.Struct, tag=True):
@@ -64,6 +77,8 @@ class SchedulerReady(msgspec.Struct, tag=True):
     block_size: int
     max_model_len: int
     task: str = "generate"
+    voices: list[str] = []
+    sample_rate: int = 0
 
 
 class SchedulerFailed(msgspec.Struct, tag=True):
@@ -143,6 +158,23 @@ class EmbedResult(msgspec.Struct, tag=True):
     error: str | None = None
 
 
+class AudioStep(msgspec.Struct, tag=True):
+    """Synthesize one segment of a speech request."""
+
+    step_id: int
+    request_id: str
+    phoneme_ids: np.ndarray  # int64
+    speed: float = 1.0
+
+
+class AudioResult(msgspec.Struct, tag=True):
+    step_id: int
+    audio: np.ndarray  # int16 [samples]
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    error: str | None = None
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -166,13 +198,15 @@ class WorkerReady(msgspec.Struct, tag=True):
     max_model_len: int
     eos_token_ids: list[int]
     task: str = "generate"  # or "embed"
+    voices: list[str] = []  # speech voices the worker serves (empty: no speech)
+    sample_rate: int = 0
 
 
 class WorkerFailed(msgspec.Struct, tag=True):
     message: str
 
 
-RequestMessage = Union[TextContext, EmbeddingsContext]
+RequestMessage = Union[TextContext, EmbeddingsContext, TTSContext]
 ResponseMessage = Union[ResponseBatch, SchedulerReady, SchedulerFailed]
-StepMessage = Union[StepBatch, EmbedStep, Shutdown]
-ResultMessage = Union[StepResult, EmbedResult, WorkerReady, WorkerFailed]
+StepMessage = Union[StepBatch, EmbedStep, AudioStep, Shutdown]
+ResultMessage = Union[StepResult, EmbedResult, AudioResult, WorkerReady, WorkerFailed]

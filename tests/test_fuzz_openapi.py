@@ -15,7 +15,7 @@ from tests.helpers import start_server
 def server(tiny_model_dir):
     # A short context and request timeout keep every fuzzed request cheap.
     srv = start_server(tiny_model_dir, "--max-model-len", "64", "--request-timeout", "5",
-                       "--max-request-bytes", "1MiB")
+                       "--max-request-bytes", "1MiB", "--no-speech")
     yield srv
     srv.stop()
 
@@ -24,7 +24,8 @@ def test_openapi_document_lists_every_route(server):
     doc = httpx.get(server.url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.")
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                 "/tokenize", "/detokenize", "/health", "/version", "/metrics"):
+                 "/tokenize", "/detokenize", "/health", "/version", "/metrics",
+                 "/v1/embeddings", "/v1/audio/speech"):
         assert path in doc["paths"], path
     schema = doc["components"]["schemas"]["CompletionRequest"]
     assert schema["properties"]["temperature"]["anyOf"][0]["maximum"] == 2.0

@@ -57,6 +57,8 @@ class RunnerConfig:
     max_num_seqs: int = 64
     kv_cache_memory: int | None = None  # bytes; None = derived from free RAM
     task: str = "generate"  # "generate" (a causal LM) or "embed" (a sentence encoder)
+    speech: bool = True  # also serve the default voice, when the [tts] extra is installed
+    speech_noise: bool = True  # False: noise scales 0, deterministic audio (for testing)
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:

@@ -12,6 +12,8 @@ import zmq
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
+    AudioResult,
+    AudioStep,
     EmbedResult,
     EmbedStep,
     Shutdown,
@@ -42,14 +44,23 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     encode = msgpack_numpy_encoder()
     decode = msgpack_numpy_decoder(StepMessage, copy=False)
 
+    speech = None
     try:
         runner = _load_runner(runner_config)
+        if runner_config.task == "generate" and runner_config.speech:
+            from worker.speech_runner import SpeechRunner
+
+            if SpeechRunner.available():
+                speech = SpeechRunner(noise=runner_config.speech_noise)
     except Exception as exc:  # reported to the user as one line by `loom serve`
         logger.debug("model load failed", exc_info=True)
         results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.5)  # let the message leave before the process exits
         sys.exit(1)
-    results.send(encode(_ready_message(runner, runner_config.task)))
+    ready = _ready_message(runner, runner_config.task)
+    if speech is not None:
+        ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
+    results.send(encode(ready))
 
     while True:
         frame = steps.recv(copy=False)
@@ -60,7 +71,8 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
         if isinstance(msg, Shutdown):
             break
         try:
-            result = _run_step(runner, msg)
+            result = speech.next_chunk(msg) if isinstance(msg, AudioStep) and speech \
+                else _run_step(runner, msg)
             result.started_at, result.finished_at = started, time.monotonic()
         except Exception as exc:
             logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
@@ -89,6 +101,8 @@ def _ready_message(runner, task: str) -> WorkerReady:
 
 
 def _run_step(runner, msg):
+    if isinstance(msg, AudioStep):
+        raise RuntimeError("this worker serves no voice")
     if isinstance(msg, EmbedStep):
         import numpy as np
 
@@ -103,6 +117,8 @@ def _failed(msg, error: str):
     if isinstance(msg, EmbedStep):
         return EmbedResult(step_id=msg.step_id, embeddings=np.zeros((0, 0), np.float32),
                            error=error)
+    if isinstance(msg, AudioStep):
+        return AudioResult(step_id=msg.step_id, audio=np.zeros(0, np.int16), error=error)
     return StepResult(step_id=msg.step_id,
                       sampled_token_ids=np.full(len(msg.request_ids), -1, dtype=np.int32),
                       error=error)

@@ -1,0 +1,160 @@
+"""POST /v1/audio/speech, as OpenAI defines it: the body is the audio itself, streamed in
+chunks as the worker synthesizes them (`stream_format: "audio"`), or SSE events
+`speech.audio.delta` (base64 PCM) then `speech.audio.done` with usage (`stream_format: "sse"`).
+
+Formats: `wav` (a streaming header: sizes unknown up front are 0xFFFFFFFF, which readers treat
+as "until the end") and `pcm` (raw 16-bit little-endian mono). The audio is 22,050 Hz, the
+voice's own rate (OpenAI's `pcm` is 24 kHz: we don't resample, the `X-Sample-Rate` header
+says the rate).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
+from api_server.openai_routes import error_response
+from api_server.protocol import RequestError, decode_body
+from api_server.server_state import ServerState
+from pipelines.tts_context import TTSContext
+
+MAX_INPUT_CHARS = 4096
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+_json = msgspec.json.Encoder()
+
+
+class SpeechRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str
+    voice: str | dict = ""
+    # OpenAI's default is mp3, which we don't encode: an omitted format means wav.
+    response_format: str = "wav"
+    speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: str | None = None
+
+
+def wav_header(sample_rate: int) -> bytes:
+    """A 16-bit mono WAV header for a stream of unknown length."""
+    unknown = 0xFFFFFFFF
+    return (b"RIFF" + struct.pack("<I", unknown) + b"WAVE" + b"fmt " +
+            struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16) +
+            b"data" + struct.pack("<I", unknown))
+
+
+class SpeechRoute:
+    def __init__(self, engine: EngineClient, state: ServerState, voices: list[str],
+                 sample_rate: int, metrics) -> None:
+        self.engine = engine
+        self.state = state
+        self.voices = voices
+        self.sample_rate = sample_rate
+        self.metrics = metrics
+
+    def model_cards(self, created: int) -> list[dict]:
+        return [{"id": v, "object": "model", "created": created, "owned_by": "loom",
+                 "root": v, "parent": None, "task": "speech",
+                 "sample_rate": self.sample_rate} for v in self.voices]
+
+    async def create(self, request: Request) -> Response:
+        try:
+            req = decode_body(await request.body(), SpeechRequest)
+            ctx = self._context(req)
+            self.state.admit([ctx])
+        except RequestError as exc:
+            return error_response(exc)
+        if req.stream_format == "sse":
+            return StreamingResponse(self._sse(ctx), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(self._audio(ctx, req.response_format),
+                                 media_type=MEDIA_TYPES[req.response_format],
+                                 headers={"X-Sample-Rate": str(self.sample_rate)})
+
+    def _context(self, req: SpeechRequest) -> TTSContext:
+        if not self.voices:
+            raise RequestError("this server has no voice (install the [tts] extra)",
+                               param="model", status=404, code="model_not_found")
+        if req.model not in self.voices:
+            raise RequestError(f"the model `{req.model}` is not a voice of this server; "
+                               f"voices: {', '.join(self.voices)}", param="model", status=404,
+                               code="model_not_found")
+        voice = req.voice.get("id", "") if isinstance(req.voice, dict) else req.voice
+        if voice not in _voice_names(req.model):
+            raise RequestError(f"unknown voice {voice!r}; this model speaks as {req.model!r}",
+                               param="voice")
+        if not req.input.strip():
+            raise RequestError("input must not be empty", param="input")
+        if len(req.input) > MAX_INPUT_CHARS:
+            raise RequestError(f"input is {len(req.input)} characters; the limit is "
+                               f"{MAX_INPUT_CHARS}", param="input")
+        if req.response_format not in MEDIA_TYPES:
+            raise RequestError(f"response_format {req.response_format!r} is not supported; use "
+                               f"{' or '.join(MEDIA_TYPES)}", param="response_format")
+        self.state.check_available()
+        from worker.tts import text_to_segments
+
+        try:
+            segments = text_to_segments(req.input)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="input") from None
+        return TTSContext(segments=[np.asarray(s.phoneme_ids, dtype=np.int64) for s in segments],
+                          model_name=req.model, voice=req.model, speed=req.speed)
+
+    async def _chunks(self, ctx: TTSContext):
+        """PCM bytes per segment, with metrics; raises if synthesis fails mid-way."""
+        started = time.monotonic()
+        samples, synthesis = 0, 0.0
+        async for chunk in self.engine.speak(ctx):
+            if chunk.index == 0:
+                self.metrics.time_to_first_audio.observe(time.monotonic() - started)
+            samples += len(chunk.audio)
+            synthesis += chunk.synthesis_seconds
+            yield chunk.audio.astype("<i2").tobytes()
+        seconds = samples / self.sample_rate
+        self.metrics.audio_seconds.inc(seconds)
+        if seconds:
+            self.metrics.audio_real_time_factor.observe(synthesis / seconds)
+
+    async def _audio(self, ctx: TTSContext, response_format: str):
+        if response_format == "wav":
+            yield wav_header(self.sample_rate)
+        async for pcm in self._chunks(ctx):
+            yield pcm
+        # An error raises out of here: the chunked body ends without its terminator, which
+        # the client sees as a failed download rather than a short, silent file.
+
+    async def _sse(self, ctx: TTSContext):
+        samples = 0
+        try:
+            async for pcm in self._chunks(ctx):
+                samples += len(pcm) // 2
+                yield b"data: " + _json.encode({"type": "speech.audio.delta",
+                                                "audio": base64.b64encode(pcm).decode()}) + b"\n\n"
+        except (EngineDeadError, GenerationFailed) as exc:
+            yield b"data: " + _json.encode({"type": "error", "error": {
+                "message": str(exc), "type": "server_error", "param": None,
+                "code": None}}) + b"\n\n"
+            return
+        phonemes = ctx.prompt_length
+        usage = {"input_tokens": phonemes, "output_tokens": samples,
+                 "total_tokens": phonemes + samples}
+        yield b"data: " + _json.encode({"type": "speech.audio.done", "usage": usage}) + b"\n\n"
+
+
+def _voice_names(model: str) -> set[str]:
+    """What a client may send as `voice` for this model: its id, the id without the engine
+    prefix, the speaker's name ("joe" for piper-en_US-joe-medium), or nothing."""
+    names = {"", "default", model, model.removeprefix("piper-")}
+    parts = model.split("-")
+    if len(parts) >= 3:
+        names.add(parts[-2])
+    return names
