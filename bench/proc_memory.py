@@ -55,26 +55,39 @@ def cmdline(pid: int) -> str:
     return text.replace("\0", " ").strip()
 
 
-def role(pid: int, root: int) -> str:
-    """What a loom process is: the API server (root), the worker (the spawned child that maps
-    libtorch), the scheduler (the other spawned child), or multiprocessing's resource_tracker."""
-    if pid == root:
-        return "api-server"
-    cmd = cmdline(pid)
-    if "resource_tracker" in cmd:
-        return "resource-tracker"
-    if "multiprocessing.spawn" in cmd or "--multiprocessing-fork" in cmd:
-        maps = _read(f"/proc/{pid}/maps") or ""
-        return "worker" if "libtorch" in maps else "scheduler"
-    return "child:" + ((_read(f"/proc/{pid}/comm") or "?").strip())
+def roles(root: int, pids: list[int]) -> dict[int, str]:
+    """What each loom process is: the API server (root), multiprocessing's resource_tracker,
+    the worker and the scheduler. Of the spawned children, the worker is the one with the
+    largest address space (it maps the weights and the whole KV cache, resident or not; both
+    children may import torch, so mapping libtorch tells nothing); the others are called
+    scheduler."""
+    out: dict[int, str] = {}
+    spawned = []
+    for pid in pids:
+        if pid == root:
+            out[pid] = "api-server"
+            continue
+        cmd = cmdline(pid)
+        if "resource_tracker" in cmd:
+            out[pid] = "resource-tracker"
+        elif "multiprocessing.spawn" in cmd or "--multiprocessing-fork" in cmd:
+            spawned.append(pid)
+        else:
+            out[pid] = "child:" + ((_read(f"/proc/{pid}/comm") or "?").strip())
+    if spawned:
+        sizes = {pid: status_kb(pid).get("VmSize", 0) for pid in spawned}
+        worker = max(spawned, key=lambda pid: sizes[pid])
+        for pid in spawned:
+            out[pid] = "worker" if pid == worker else "scheduler"
+    return out
 
 
 def status_kb(pid: int) -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssFile, Threads of /proc/<pid>/status (kB; Threads a count)."""
+    """VmSize, VmRSS, VmHWM, RssAnon, RssFile, Threads of /proc/<pid>/status (kB; Threads a count)."""
     values = {}
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
         key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "Threads"):
+        if key in ("VmSize", "VmRSS", "VmHWM", "RssAnon", "RssFile", "Threads"):
             try:
                 values[key] = int(rest.split()[0])
             except (IndexError, ValueError):
@@ -119,11 +132,13 @@ def kv_mapping_rss_kb(pid: int, kv_bytes: int | None) -> tuple[int, int] | None:
 def snapshot(root: int, kv_bytes: int | None = None) -> list[dict]:
     """One row per live process of the tree rooted at `root` (root first)."""
     rows = []
-    for pid in [root] + descendants(root):
+    pids = [root] + descendants(root)
+    names = roles(root, pids)
+    for pid in pids:
         status = status_kb(pid)
         if "VmRSS" not in status:
             continue  # gone, or a zombie
-        row = {"pid": pid, "role": role(pid, root), "rss_kb": status["VmRSS"],
+        row = {"pid": pid, "role": names[pid], "rss_kb": status["VmRSS"],
                "hwm_kb": status.get("VmHWM"), "anon_kb": status.get("RssAnon"),
                "threads": status.get("Threads")}
         if row["role"] == "worker":
