@@ -83,7 +83,7 @@ def roles(root: int, pids: list[int]) -> dict[int, str]:
 
 
 def status_kb(pid: int) -> dict[str, int]:
-    """VmSize, VmRSS, VmHWM, RssAnon, RssFile, Threads of /proc/<pid>/status (kB; Threads a count)."""
+    """VmSize, VmRSS, VmHWM, RssAnon, RssFile (kB) and Threads of /proc/<pid>/status."""
     values = {}
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
         key, _, rest = line.partition(":")
