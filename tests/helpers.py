@@ -128,9 +128,11 @@ class LoomServer:
 
 
 def start_server(model_dir: str | None, *args: str, timeout: float = 180.0,
-                 log_path: str | None = None, threads: int | None = None) -> LoomServer:
+                 log_path: str | None = None, threads: int | None = None,
+                 speech: bool = False) -> LoomServer:
     """`loom serve` on a free loopback port. Tiny test models run on one thread: their ops
-    are too small to split, and a second thread only adds barrier waits."""
+    are too small to split, and a second thread only adds barrier waits. The voice is only
+    loaded for the tests that speak (it costs every other server 2 s and 200 MB)."""
     port = free_port()
     if threads is None:
         threads = 2 if model_dir is None or "SmolLM2" in model_dir else 1
@@ -139,6 +141,8 @@ def start_server(model_dir: str | None, *args: str, timeout: float = 180.0,
     if model_dir is not None:
         cmd += ["--model", model_dir]
     cmd += list(args)
+    if not speech:
+        cmd.append("--no-speech")
     log_path = log_path or f"/tmp/loom-test-server-{port}.log"
     log = open(log_path, "w")
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -15,7 +15,7 @@ from tests.helpers import start_server
 def server(tiny_model_dir):
     # A short context and request timeout keep every fuzzed request cheap.
     srv = start_server(tiny_model_dir, "--max-model-len", "64", "--request-timeout", "5",
-                       "--max-request-bytes", "1MiB", "--no-speech")
+                       "--max-request-bytes", "1MiB")
     yield srv
     srv.stop()
 

@@ -26,7 +26,7 @@ LONG = " ".join(f"Sentence number {i} talks about the weather, the sea and the m
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = start_server(tiny_model_dir, "--deterministic-speech", threads=2)
+    srv = start_server(tiny_model_dir, "--deterministic-speech", threads=2, speech=True)
     yield srv
     srv.stop()
 
