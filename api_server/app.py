@@ -10,15 +10,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api_server.server_state import ServerState
-from api_server.speech_route import SpeechRoute
 from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
 from api_server.metrics import Metrics
-from api_server.openapi import build_openapi
 from api_server.middleware import limit_body_size, require_api_key
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
+from api_server.openapi import build_openapi
 from api_server.protocol import RequestError
+from api_server.server_state import ServerState
+from api_server.speech_route import SpeechRoute
 
 logger = logging.getLogger("loom.api")
 

@@ -141,7 +141,7 @@ def check_model_dir(cfg: ServeConfig) -> None:
         raise StartupError(f"--model {cfg.model_dir}: no such directory")
     try:
         if cfg.task == "embed":
-            from worker.models.bert import BertConfig
+            from worker.models.bert_config import BertConfig
 
             BertConfig.from_dir(cfg.model_dir)
             return

@@ -8,17 +8,16 @@ import logging
 import time
 from typing import AsyncIterator
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 from api_server.metrics import Metrics, RequestClock
-import numpy as np
-
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
-from pipelines.tts_context import TTSContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
+from pipelines.tts_context import TTSContext
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioChunk,

@@ -31,7 +31,7 @@ from api_server.tokenizer import TextTokenizer
 from scheduler.process import SchedulerProcessConfig, run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
 from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
-from worker.models.bert import BertConfig
+from worker.models.bert_config import BertConfig
 from worker.process import run_worker
 
 logger = logging.getLogger("loom")

@@ -33,6 +33,7 @@ from api_server.protocol import (
 )
 from api_server.server_state import ServerState
 from api_server.structured import schema_for_response_format, validate_schema
+from api_server.tokenizer import TextTokenizer
 from api_server.tool_calls import (
     ForcedCallCollector,
     ToolCall,
@@ -41,7 +42,6 @@ from api_server.tool_calls import (
     forced_call_schema,
     tools_system_prompt,
 )
-from api_server.tokenizer import TextTokenizer
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
 

@@ -7,8 +7,8 @@ import msgspec
 
 from api_server.embeddings_route import EmbeddingRequest
 from api_server.extra_routes import DetokenizeRequest, TokenizeRequest
-from api_server.speech_route import SpeechRequest
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
+from api_server.speech_route import SpeechRequest
 
 _REF = "#/components/schemas/{name}"
 

@@ -16,9 +16,9 @@ import signal
 import sys
 import time
 
+from bench.clean_runs import CleanRuns
 from bench.endpoint import NotLoopbackError, loopback_base_url, served_model
 from bench.environment import busy_warning, describe_environment
-from bench.clean_runs import CleanRuns
 from bench.interference import InterferenceMonitor
 from bench.report import render, write_json
 

@@ -18,12 +18,12 @@ import zmq
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
-from pipelines.tts_context import TTSContext
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
+from pipelines.tts_context import TTSContext
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
-from scheduler.speech_queue import SpeechQueue
 from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from scheduler.speech_queue import SpeechQueue
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioChunk,

@@ -15,7 +15,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-
 from pipelines.context import TextContext
 from pipelines.response import LogProbabilities, RequestTimings, TextGenerationOutput
 from pipelines.status import GenerationStatus

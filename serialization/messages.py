@@ -20,9 +20,9 @@ import numpy as np
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
-from pipelines.tts_context import TTSContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
+from pipelines.tts_context import TTSContext
 
 
 class CancelRequest(msgspec.Struct, tag=True):

@@ -5,12 +5,30 @@ import msgpack_numpy
 import numpy as np
 import pytest
 
-from pipelines import GenerationStatus, LogProbabilities, SamplingParams, TextContext, TextGenerationOutput
+from pipelines import (
+    GenerationStatus,
+    LogProbabilities,
+    SamplingParams,
+    TextContext,
+    TextGenerationOutput,
+)
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
-    CancelRequest, NewRequest, RequestMessage, ResponseBatch, ResponseMessage, ResultMessage,
-    SchedulerFailed, SchedulerReady, SchedulerStats, Shutdown, StepBatch, StepMessage, StepResult,
-    WorkerFailed, WorkerReady,
+    CancelRequest,
+    NewRequest,
+    RequestMessage,
+    ResponseBatch,
+    ResponseMessage,
+    ResultMessage,
+    SchedulerFailed,
+    SchedulerReady,
+    SchedulerStats,
+    Shutdown,
+    StepBatch,
+    StepMessage,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
 )
 from serialization.sockets import decode_or_drop
 

@@ -73,5 +73,15 @@ def test_prometheus_reads_ttft_quantile(prometheus):
             break
         time.sleep(1)
     assert 0 < value < 5, value
-    count = query(prom, 'loom:request_success_total{finished_reason="length",model_name="tiny"}')
-    assert float(count[0]["value"][1]) == 12
+    # The quantile can appear from a scrape taken mid-traffic; wait for a scrape after the last
+    # request before reading the counter.
+    expr = 'loom:request_success_total{finished_reason="length",model_name="tiny"}'
+    finished = 0.0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        result = query(prom, expr)
+        finished = float(result[0]["value"][1]) if result else 0.0
+        if finished >= 12:
+            break
+        time.sleep(0.5)
+    assert finished == 12

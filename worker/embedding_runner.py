@@ -12,7 +12,8 @@ import time
 import numpy as np
 import torch
 
-from worker.models.bert import BertConfig, BertEncoder
+from worker.models.bert import BertEncoder
+from worker.models.bert_config import BertConfig
 from worker.weights import load_checkpoint_weights
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,12 @@ import torch
 from serialization.messages import StepBatch, StepResult
 from worker.attention import build_attention_metadata
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
+from worker.logits_processors import process_logits
+from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.llama import LlamaForCausalLM
-from worker.logits_processors import process_logits
-from worker.structured_output import GrammarCompiler
-from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.sampler import RequestSamplingState, sample
+from worker.structured_output import GrammarCompiler
 from worker.weights import load_checkpoint_weights
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pipelines.context import TextContext
 from pipelines.response import TextResponse
 from scheduler.block_manager import BlockManager
-from scheduler.step_builder import build_step_batch
 from scheduler.scheduler import new_request_for_worker
+from scheduler.step_builder import build_step_batch
 from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 
