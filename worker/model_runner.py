@@ -139,5 +139,6 @@ def _build_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(load_checkpoint_weights(model_dir))
     model.to(dtype)
+    model.use_fast_weight_layout()
     model.eval()
     return model
