@@ -25,7 +25,8 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale):
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="no C compiler: the PyTorch fallback is used")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_kernel_matches_sdpa(dtype, tol):
+@pytest.mark.parametrize("num_seqs", [1, 5])  # 1: fewer sequences than threads, split by head
+def test_native_kernel_matches_sdpa(dtype, tol, num_seqs):
     assert native_decode_available(dtype)
     torch.manual_seed(0)
     num_blocks, block_size, kv_heads, heads, dim = 80, 16, 3, 9, 64
@@ -34,6 +35,8 @@ def test_native_kernel_matches_sdpa(dtype, tol):
     seq_lens = torch.tensor([1, 17, 200, 64, 33], dtype=torch.int32)
     tables = torch.randperm(num_blocks)[:5 * 13].reshape(5, 13).to(torch.int32)
     q = torch.randn(5, heads, dim).to(dtype)
+    q, tables, seq_lens = q[-num_seqs:].contiguous(), tables[-num_seqs:].contiguous(), \
+        seq_lens[-num_seqs:].contiguous()
     got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
     want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
