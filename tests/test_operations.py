@@ -167,11 +167,25 @@ def test_dropped_streams_free_everything(server):
     assert metric(server.url, "loom:kv_cache_usage_perc") == 0
 
 
+def aborted_requests(url) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(
+        r'^loom:request_success_total{[^}]*finished_reason="abort"[^}]*} (\S+)$', text, re.M))
+
+
 def test_non_streamed_client_gone_aborts(server):
+    aborted_before = aborted_requests(server.url)
     body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + COMP, json=body, timeout=0.5)
-    time.sleep(1.0)
+    # The abort travels API -> scheduler -> metrics; on a busy machine that can take over 1 s.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (aborted_requests(server.url) > aborted_before
+                and metric(server.url, "loom:num_requests_running") == 0):
+            break
+        time.sleep(0.2)
+    assert aborted_requests(server.url) == aborted_before + 1  # aborted, not run to the end
     assert metric(server.url, "loom:num_requests_running") == 0
     assert metric(server.url, "loom:kv_cache_usage_perc") == 0
 
