@@ -1,6 +1,6 @@
 """Small native kernels, built on first use with the system C compiler and loaded with ctypes.
 
-No torch headers, so a build takes about a second; the library is cached by source hash.
+No torch headers, so a build takes about a second; the library is cached by source hash and CPU.
 Without a compiler, callers fall back to the portable PyTorch path.
 """
 
@@ -35,7 +35,9 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
         return None
     source = os.path.join(_HERE, f"{name}.c")
     with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        # -march=native: a library built on another CPU (a shared home directory) could use
+        # instructions this one lacks, so the CPU is part of the cache key.
+        digest = hashlib.sha256(f.read() + _cpu_identity()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"{name}-{digest}.so")
     try:
         if not os.path.exists(target):
@@ -45,6 +47,16 @@ def load_kernel(name: str) -> ctypes.CDLL | None:
         logger.warning("native kernel %s unavailable (%s); using the PyTorch path", name, exc)
         _loaded[name] = None
     return _loaded[name]
+
+
+def _cpu_identity() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [ln for ln in f.read().splitlines()
+                     if ln.startswith((b"model name", b"flags"))]
+        return b"\n".join(sorted(set(lines)))
+    except OSError:
+        return b""
 
 
 def _compile(source: str, target: str) -> None:

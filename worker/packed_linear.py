@@ -1,0 +1,94 @@
+"""PackedLinear: an nn.Linear whose weight is packed once for the native GEMM kernel.
+
+`worker/kernels/packed_linear.c` says why (PyTorch's CPU GEMM leaves most of the machine idle
+at the row counts a server runs). Float32 and bfloat16 weights are packed; inputs are widened
+to float32 and outputs rounded back to the weight dtype, as PyTorch's own bf16 linear does
+(float32 accumulation). Without the kernel (no C compiler, no AVX2) or for float16 weights,
+`pack_linear_layers` leaves the model as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from worker.kernels import load_kernel
+
+_lib = load_kernel("packed_linear")
+_PANEL = 0
+_FUNCS = {}
+if _lib is not None:
+    _PANEL = _lib.loom_linear_panel_width()
+    _FUNCS = {torch.float32: _lib.loom_linear_f32, torch.bfloat16: _lib.loom_linear_bf16}
+    for _fn in _FUNCS.values():
+        _fn.restype = None
+        _fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+
+def packed_linear_available(dtype: torch.dtype) -> bool:
+    return dtype in _FUNCS
+
+
+def pack_weight(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / panel), K, panel]: each panel's K rows of `panel` outputs contiguous,
+    the last panel padded with zero outputs."""
+    n, k = weight.shape
+    panels = -(-n // panel)
+    padded = torch.zeros(panels * panel, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self._kernel = _FUNCS[weight.dtype]
+        self.register_buffer("packed", pack_weight(weight, _PANEL), persistent=False)
+        bias = None
+        if linear.bias is not None:  # padded to whole panels: the kernel reads full panels
+            bias = torch.zeros(self.packed.shape[0] * _PANEL, dtype=torch.float32)
+            bias[: self.out_features] = linear.bias.detach().float()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            self._kernel(
+                x2.data_ptr(), x2.stride(0), self.packed.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                self.out_features, rows, self.out_features, self.in_features,
+            )
+        if self.dtype != torch.float32:
+            y = y.to(self.dtype)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"dtype={self.dtype}, bias={self.bias is not None}"
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Swap every nn.Linear of `model` for a PackedLinear (the original weight is dropped, so
+    a tied lm_head gets its own packed copy). Returns how many were packed."""
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear) and packed_linear_available(child.weight.dtype):
+                swaps.append((parent, name, child))
+    with torch.no_grad():
+        for parent, name, child in swaps:
+            setattr(parent, name, PackedLinear(child))
+    return len(swaps)
