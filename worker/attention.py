@@ -103,6 +103,14 @@ def _build_group(members, query_lens, seq_lens, first_row, tables, block_size) -
     )
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes the step's new K/V ([T, KVH, D]) into their cache slots."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -112,10 +120,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    """Attention of q over the cache, which already holds this step's k and v (`store_kv`);
+    k and v themselves are read only by prompts with nothing cached before them."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-
     out = torch.empty_like(q)
     for group in meta.groups:
         batch = group.block_tables.shape[0]

@@ -11,9 +11,9 @@
  * it: MR x NR accumulators stay in registers for the whole K loop (the GotoBLAS/BLIS
  * micro-kernel shape). N is padded to a multiple of NR with zero columns.
  *
- * Threads split the panels; each thread walks blocks of MC rows, and within a block every
- * panel against every MR-row tile, so a panel is read from memory once per row block and the
- * row block stays in L2 across panels.
+ * Each chunk of work is a block of MC rows against a run of panels, every panel against every
+ * MR-row tile, so a panel is read from memory once per row block and the row block stays in
+ * L2 across panels.
  *
  * Weights are float32 or bfloat16 (widened to float32 in registers: half the memory traffic,
  * the same float32 accumulation as PyTorch's bf16 GEMM). x and y are float32.
@@ -61,6 +61,13 @@ static inline vec vload_bf16(const uint16_t *p) {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* The first row tile of a panel pulls the next panel of its chunk into cache as it goes: one
+ * cache line per k step, the rate the tile consumes its own panel. 3-12% faster at 4-64 rows
+ * on the EPYC here; prefetching two panels ahead, into L2 only, or across chunks was slower. */
+#define PREFETCH 1
+#define PF_HINT _MM_HINT_T0
+#define PF_DIST 1
+
 int loom_linear_panel_width(void) { return NR; }
 
 /* Stores one row's two accumulators, adding the bias; the last, zero-padded panel stores
@@ -102,10 +109,15 @@ ALWAYS_INLINE void store_row(float *restrict y, vec c0, vec c1, const int cols,
 #define DEFINE_TILE(NAME, WT, WLOAD)                                                          \
 ALWAYS_INLINE void NAME(const int MR_, const int K, const float *restrict x, const int64_t ldx, \
                         const WT *restrict w, float *restrict y, const int64_t ldy,          \
-                        const int cols, const float *restrict bias) {                        \
+                        const int cols, const float *restrict bias, const char *prefetch) {  \
     FOR_ROWS(ROW_DECL)                                                                       \
     for (int k = 0; k < K; k++) {                                                            \
         const vec w0 = WLOAD(w + (int64_t)k * NR), w1 = WLOAD(w + (int64_t)k * NR + VLEN);  \
+        if (PREFETCH && prefetch) {                                                          \
+            const char *line = prefetch + (int64_t)k * NR * sizeof(WT);                      \
+            _mm_prefetch(line, PF_HINT);                                                 \
+            if (NR * sizeof(WT) > 64) _mm_prefetch(line + 64, PF_HINT);                  \
+        }                                                                                    \
         FOR_ROWS(ROW_FMA)                                                                    \
     }                                                                                        \
     FOR_ROWS(ROW_STORE)                                                                      \
@@ -119,25 +131,25 @@ DEFINE_TILE(tile_bf16, uint16_t, WLOAD_BF16)
 /* Dispatch a row count to a tile specialised for it (1..MR). */
 #define DEFINE_ROWS(NAME, TILE, WT)                                                           \
 static void NAME(int rows, int K, const float *x, int64_t ldx, const WT *w, float *y,       \
-                 int64_t ldy, int cols, const float *bias) {                                 \
+                 int64_t ldy, int cols, const float *bias, const char *pf) {                                 \
     switch (rows) {                                                                          \
-    case 1: TILE(1, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 2: TILE(2, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 3: TILE(3, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 4: TILE(4, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 5: TILE(5, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 6: TILE(6, K, x, ldx, w, y, ldy, cols, bias); break;                                \
+    case 1: TILE(1, K, x, ldx, w, y, ldy, cols, bias, pf); break;                                \
+    case 2: TILE(2, K, x, ldx, w, y, ldy, cols, bias, pf); break;                                \
+    case 3: TILE(3, K, x, ldx, w, y, ldy, cols, bias, pf); break;                                \
+    case 4: TILE(4, K, x, ldx, w, y, ldy, cols, bias, pf); break;                                \
+    case 5: TILE(5, K, x, ldx, w, y, ldy, cols, bias, pf); break;                                \
+    case 6: TILE(6, K, x, ldx, w, y, ldy, cols, bias, pf); break;                                \
     ROWS_7_TO_12(TILE)                                                                       \
     }                                                                                        \
 }
 #if MR == 12
 #define ROWS_7_TO_12(TILE)                                                                   \
-    case 7: TILE(7, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 8: TILE(8, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 9: TILE(9, K, x, ldx, w, y, ldy, cols, bias); break;                                \
-    case 10: TILE(10, K, x, ldx, w, y, ldy, cols, bias); break;                              \
-    case 11: TILE(11, K, x, ldx, w, y, ldy, cols, bias); break;                              \
-    case 12: TILE(12, K, x, ldx, w, y, ldy, cols, bias); break;
+    case 7: TILE(7, K, x, ldx, w, y, ldy, cols, bias, pf); break;                            \
+    case 8: TILE(8, K, x, ldx, w, y, ldy, cols, bias, pf); break;                            \
+    case 9: TILE(9, K, x, ldx, w, y, ldy, cols, bias, pf); break;                            \
+    case 10: TILE(10, K, x, ldx, w, y, ldy, cols, bias, pf); break;                          \
+    case 11: TILE(11, K, x, ldx, w, y, ldy, cols, bias, pf); break;                          \
+    case 12: TILE(12, K, x, ldx, w, y, ldy, cols, bias, pf); break;
 #else
 #define ROWS_7_TO_12(TILE)
 #endif
@@ -145,26 +157,34 @@ DEFINE_ROWS(rows_f32, tile_f32, float)
 DEFINE_ROWS(rows_bf16, tile_bf16, uint16_t)
 
 /* x [M, K] (row stride ldx), packed w [ceil(N/NR)][K][NR], bias [N padded to NR] or NULL,
- * y [M, N] (row stride ldy). */
+ * y [M, N] (row stride ldy).
+ *
+ * Work is handed out in chunks (a block of rows x a run of panels), dynamically: the API and
+ * scheduler processes share these cores, and a thread the OS preempts then holds up the step
+ * by one chunk rather than by its whole static share. */
 #define DEFINE_LINEAR(NAME, ROWS, WT)                                                         \
 void NAME(const float *x, int64_t ldx, const WT *w, const float *bias, float *y, int64_t ldy, \
           int M, int N, int K) {                                                             \
     const int panels = (N + NR - 1) / NR;                                                    \
-    _Pragma("omp parallel")                                                                  \
-    {                                                                                        \
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();                      \
-        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt); \
-        for (int m0 = 0; m0 < M; m0 += MC) {                                                 \
-            const int mc = M - m0 < MC ? M - m0 : MC;                                        \
-            for (int p = p0; p < p1; p++) {                                                  \
-                const WT *wp = w + (int64_t)p * K * NR;                                      \
-                const int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;                     \
-                const float *bp = bias ? bias + n0 : NULL;                                   \
-                for (int i = 0; i < mc; i += MR) {                                           \
-                    const int rows = mc - i < MR ? mc - i : MR;                              \
-                    ROWS(rows, K, x + (int64_t)(m0 + i) * ldx, ldx, wp,                      \
-                         y + (int64_t)(m0 + i) * ldy + n0, ldy, cols, bp);                   \
-                }                                                                            \
+    const int per_chunk = panels / (omp_get_max_threads() * 8) > 1                           \
+                          ? panels / (omp_get_max_threads() * 8) : 1;                        \
+    const int runs = (panels + per_chunk - 1) / per_chunk;                                   \
+    const int row_blocks = (M + MC - 1) / MC;                                                \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                         \
+    for (int chunk = 0; chunk < row_blocks * runs; chunk++) {                                \
+        const int m0 = chunk / runs * MC, mc = M - m0 < MC ? M - m0 : MC;                    \
+        const int pa = chunk % runs * per_chunk;                                             \
+        const int pb = pa + per_chunk < panels ? pa + per_chunk : panels;                    \
+        for (int p = pa; p < pb; p++) {                                                      \
+            const WT *wp = w + (int64_t)p * K * NR;                                          \
+            const int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;                         \
+            const float *bp = bias ? bias + n0 : NULL;                                       \
+            for (int i = 0; i < mc; i += MR) {                                               \
+                const int rows = mc - i < MR ? mc - i : MR;                                  \
+                const char *pf = i == 0 && p + PF_DIST < pb ? (const char *)(wp + (int64_t)PF_DIST * K * NR) \
+                                                      : NULL;                                \
+                ROWS(rows, K, x + (int64_t)(m0 + i) * ldx, ldx, wp,                          \
+                     y + (int64_t)(m0 + i) * ldy + n0, ldy, cols, bp, pf);                   \
             }                                                                                \
         }                                                                                    \
     }                                                                                        \

@@ -2,7 +2,9 @@
 
 Every step runs one forward over a flat array of tokens from many sequences; linear layers see
 all of them at once, attention goes through `paged_attention`. Q/K/V and gate/up projections are
-fused into one matmul each at load time.
+fused into one matmul each at load time. The residual stream travels beside the hidden state
+(as in vLLM and nano-vllm) so each residual add fuses with the norm after it; in float32 the
+norms, rotary + KV store and SiLU-and-mul run as single native passes (`worker/layer_ops.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, paged_attention
+from worker import layer_ops
+from worker.attention import AttentionMetadata, paged_attention, store_kv
 from worker.model_config import ModelConfig
 
 
@@ -23,7 +26,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rmsnorm(x); with `residual`: (rmsnorm(residual + x), residual + x)."""
+        if layer_ops.layer_ops_available(x.dtype) and x.dim() == 2:
+            if residual is None:
+                return layer_ops.rms_norm(x, self.weight, self.eps)
+            return layer_ops.add_rms_norm(residual, x, self.weight, self.eps), residual
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # As Hugging Face does: normalise in float32, scale in the model dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -46,6 +60,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+    def rotate_and_store(self, qkv, heads, kv_heads, head_dim, meta, k_cache, v_cache) -> None:
+        """The fused float32 path: rotary on q and k inside qkv, then k and v to the cache."""
+        layer_ops.rope_store_kv(qkv, heads, kv_heads, head_dim, meta.positions, self.cos,
+                                self.sin, k_cache, v_cache, meta.slot_mapping)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -91,15 +110,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        fused = self.q_norm is None and layer_ops.layer_ops_available(qkv.dtype) \
+            and qkv.is_contiguous()
+        if fused:
+            rotary.rotate_and_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, meta,
+                                    k_cache, v_cache)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not fused:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = rotary(meta.positions, x.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(tokens, self.q_size))
 
@@ -114,7 +142,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if layer_ops.layer_ops_available(gate_up.dtype) and gate_up.dim() == 2:
+            return self.down_proj(layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -126,9 +157,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, hidden, residual, rotary, k_cache, v_cache, meta):
+        """(hidden, residual) in and out: the residual add of each sub-layer is done by the
+        norm that follows it (the next layer's, or the final one)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,11 +188,11 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(meta.positions, x.dtype)
+        hidden, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
-        x = self.norm(x[logits_rows])
+            hidden, residual = layer(hidden, residual, self.rotary, kv_cache[i, 0],
+                                     kv_cache[i, 1], meta)
+        x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
         return self.lm_head(x).float()
 
     # ---- weights ---------------------------------------------------------------------------
