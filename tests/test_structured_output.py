@@ -193,3 +193,20 @@ def test_hermes_parser_keeps_non_calls_and_parallel_calls():
                               "<tool_call>{\"name\": \"y\", \"arguments\": {\"k\": 1}}</tool_call>")
     assert text.startswith("a <b> c <tool_call>not json</tool_call>")
     assert [c.name for c in calls] == ["x", "y"]
+
+
+def test_grammar_tokenizer_built_from_tokenizer_json_equals_llguidance_hf(smollm2_dir):
+    # The worker builds llguidance's tokenizer without transformers (start-up cost); it must be
+    # the tokenizer llguidance.hf builds from the Hugging Face one, token for token.
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from worker.structured_output import _llguidance_tokenizer
+
+    ours = _llguidance_tokenizer(smollm2_dir)
+    reference = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(smollm2_dir))
+    assert ours.vocab_size == reference.vocab_size
+    assert ours.eos_tokens == reference.eos_tokens
+    assert all(ours.decode_bytes([i]) == reference.decode_bytes([i])
+               and ours.is_special_token(i) == reference.is_special_token(i)
+               for i in range(ours.vocab_size))

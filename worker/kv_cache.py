@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-import mmap
-
 import torch
 
+from worker import hugepages
 from worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -67,16 +66,10 @@ def allocate_kv_cache(
     slot holding a NaN bit pattern would still poison the weighted sum (0 * NaN = NaN).
     The memory is an anonymous mmap, which the kernel zero-fills page by page on first touch:
     torch.zeros would write every page up front (7.5 s for 4 GiB here) and start-up would wait.
+    It asks for huge pages (`worker/hugepages.py`).
     """
     shape = (
         config.num_hidden_layers, 2, num_blocks, block_size,
         config.num_key_value_heads, config.head_dim,
     )
-    element = torch.tensor([], dtype=dtype).element_size()
-    nbytes = element
-    for dim in shape:
-        nbytes *= dim
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    cache = torch.frombuffer(buffer, dtype=dtype).view(shape)
-    cache._loom_buffer = buffer  # the tensor does not own the mapping: keep it alive with it
-    return cache
+    return hugepages.empty_tensor(shape, dtype)

@@ -47,7 +47,6 @@ class ModelRunner:
                 f"(--kv-cache-memory) or lower --max-model-len"
             )
         self.grammars = GrammarCompiler(cfg.model_dir)
-        self.grammars.warm_up_in_background()
         self.kv_cache = allocate_kv_cache(self.config, self.dtype, self.num_blocks, cfg.block_size)
         self.requests: dict[str, RequestSamplingState] = {}
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()

@@ -14,6 +14,7 @@ import ctypes
 import torch
 from torch import nn
 
+from worker import hugepages
 from worker.kernels import load_kernel
 
 _lib = load_kernel("packed_linear")
@@ -39,7 +40,9 @@ def pack_weight(weight: torch.Tensor, panel: int) -> torch.Tensor:
     panels = -(-n // panel)
     padded = torch.zeros(panels * panel, k, dtype=weight.dtype)
     padded[:n] = weight
-    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
+    packed = hugepages.empty_tensor((panels, k, panel), weight.dtype)
+    packed.copy_(padded.view(panels, panel, k).transpose(1, 2))
+    return packed
 
 
 class PackedLinear(nn.Module):
