@@ -1,8 +1,8 @@
-"""Large, long-lived tensors (packed weights, the KV cache) in anonymous memory that the kernel
-may back with 2 MiB transparent huge pages.
+"""Large, long-lived tensors (packed weights, the KV cache) in their own anonymous mappings,
+which the kernel may back with 2 MiB transparent huge pages.
 
-Every decode step streams all the weights and every sequence's KV blocks; with 4 KiB pages
-that is a TLB miss every 64 cache lines. Where transparent huge pages are in `madvise` mode
+Every decode step streams all the weights; with 4 KiB pages that is a TLB miss every 64 cache
+lines. Where transparent huge pages are in `madvise` mode
 (the common default) memory must ask for them, which plain torch allocations never do.
 """
 
@@ -13,15 +13,15 @@ import mmap
 import torch
 
 
-def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised-looking (in fact zero-filled on first touch) tensor in its own
-    anonymous mapping, advised for huge pages. The mapping lives as long as the tensor."""
+def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    """A tensor in its own anonymous mapping (zero-filled by the kernel on first touch),
+    advised for huge pages if `huge`. The mapping lives as long as the tensor."""
     count = 1
     for dim in shape:
         count *= dim
     nbytes = max(1, count * torch.tensor([], dtype=dtype).element_size())
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # kernels without THP: ordinary pages
