@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.packed_linear import PackedLinear, pack_linear_layers, packed_linear_available
+from worker.packed_linear import LinearKernel, PackedLinear, pack_linear_layers, packed_linear_available
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(torch.float32),
                                 reason="no native kernel here: PyTorch's GEMM is used")
@@ -23,6 +23,24 @@ def test_float32_matches_torch(rows, in_features, out_features):
     got = PackedLinear(linear)(x)
     assert got.shape == expected.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# The tile shapes of other machines, built here: AVX-512 (16 lanes, 12-row tiles) and SSE/NEON
+# (4 lanes). GCC emulates a vector wider than the machine's, so the tile logic of a wider CPU
+# is checked even where it cannot run natively.
+@pytest.mark.parametrize("lanes,tile_rows", [(16, 12), (4, 6), (4, 12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_machines_tile_shapes(lanes, tile_rows, dtype):
+    kernel = LinearKernel.load((f"LOOM_VLEN={lanes}", f"LOOM_MR={tile_rows}"))
+    assert kernel is not None and kernel.panel == 2 * lanes
+    torch.manual_seed(lanes + tile_rows)
+    linear = nn.Linear(200, 333, bias=True).to(dtype)
+    for rows in (1, tile_rows - 1, tile_rows + 1, 8 * tile_rows + 3):
+        x = torch.randn(rows, 200).to(dtype)
+        got = PackedLinear(linear, kernel)(x).float()
+        exact = x.float() @ linear.weight.float().t() + linear.bias.float()
+        tol = 1e-4 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(got, exact, rtol=tol, atol=tol)
 
 
 def test_bias_strided_input_and_leading_dims():

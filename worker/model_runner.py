@@ -15,7 +15,7 @@ from worker.logits_processors import process_logits
 from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.llama import LlamaForCausalLM
-from worker.packed_linear import pack_linear_layers
+from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.sampler import RequestSamplingState, sample
 from worker.structured_output import GrammarCompiler
 from worker.weights import load_checkpoint_weights
@@ -139,7 +139,7 @@ def _build_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(load_checkpoint_weights(model_dir))
     model.to(dtype)
-    if pack_linear_layers(model) == 0:  # no native kernel here (or float16): PyTorch's GEMM
-        model.use_fast_weight_layout()
+    if not (packing_pays_off(model.layers[0].mlp.gate_up_proj) and pack_linear_layers(model)):
+        model.use_fast_weight_layout()  # PyTorch's GEMM (no kernel here, float16, or AMX)
     model.eval()
     return model

@@ -17,7 +17,7 @@ import tempfile
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
 
 
 def _cache_dir() -> str:
@@ -26,27 +26,29 @@ def _cache_dir() -> str:
     return os.path.join(base, "kernels")
 
 
-def load_kernel(name: str) -> ctypes.CDLL | None:
-    """The compiled library for `name`.c, or None if it cannot be built here."""
-    if name in _loaded:
-        return _loaded[name]
+def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library for `name`.c (with `-D` for each of `defines`), or None if it
+    cannot be built here."""
+    key = (name, defines)
+    if key in _loaded:
+        return _loaded[key]
     if os.environ.get("LOOM_DISABLE_KERNELS"):
-        _loaded[name] = None
+        _loaded[key] = None
         return None
     source = os.path.join(_HERE, f"{name}.c")
     with open(source, "rb") as f:
         # -march=native: a library built on another CPU (a shared home directory) could use
         # instructions this one lacks, so the CPU is part of the cache key.
-        digest = hashlib.sha256(f.read() + _cpu_identity()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"{name}-{digest}.so")
+        digest = hashlib.sha256(f.read() + _cpu_identity() + repr(defines).encode()).hexdigest()
+    target = os.path.join(_cache_dir(), f"{name}-{digest[:16]}.so")
     try:
         if not os.path.exists(target):
-            _compile(source, target)
-        _loaded[name] = ctypes.CDLL(target)
+            _compile(source, target, defines)
+        _loaded[key] = ctypes.CDLL(target)
     except (OSError, subprocess.CalledProcessError) as exc:
         logger.warning("native kernel %s unavailable (%s); using the PyTorch path", name, exc)
-        _loaded[name] = None
-    return _loaded[name]
+        _loaded[key] = None
+    return _loaded[key]
 
 
 def _cpu_identity() -> bytes:
@@ -59,7 +61,7 @@ def _cpu_identity() -> bytes:
         return b""
 
 
-def _compile(source: str, target: str) -> None:
+def _compile(source: str, target: str, defines: tuple[str, ...] = ()) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found")
@@ -70,7 +72,8 @@ def _compile(source: str, target: str) -> None:
         # -ffast-math lets the dot products vectorise (reassociated sums); -march=native uses
         # the machine's SIMD width. The library is cached per machine, never shipped.
         subprocess.run([compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
-                        "-fPIC", source, "-o", tmp, "-lm"], check=True, capture_output=True)
+                        "-fPIC", *(f"-D{d}" for d in defines), source, "-o", tmp, "-lm"],
+                       check=True, capture_output=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

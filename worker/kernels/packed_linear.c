@@ -18,46 +18,51 @@
  * Weights are float32 or bfloat16 (widened to float32 in registers: half the memory traffic,
  * the same float32 accumulation as PyTorch's bf16 GEMM). x and y are float32.
  */
-#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+/* Written with GCC vector extensions, not intrinsics: the same source compiles to AVX-512,
+ * AVX2 or NEON code with -march=native, and a test can build a wider machine's configuration
+ * here (-DLOOM_VLEN=16 -DLOOM_MR=12) to check its tile logic. */
+#ifndef LOOM_VLEN
 #if defined(__AVX512F__)
-#define NR 32
-#define MR 12
-#define MC 96
-typedef __m512 vec;
-#define VLEN 16
-#define vzero() _mm512_setzero_ps()
-#define vload(p) _mm512_loadu_ps(p)
-#define vstore(p, v) _mm512_storeu_ps(p, v)
-#define vbcast(p) _mm512_set1_ps(*(p))
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm512_add_ps(a, b)
-static inline vec vload_bf16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define NR 16
-#define MR 6
-#define MC 48
-typedef __m256 vec;
-#define VLEN 8
-#define vzero() _mm256_setzero_ps()
-#define vload(p) _mm256_loadu_ps(p)
-#define vstore(p, v) _mm256_storeu_ps(p, v)
-#define vbcast(p) _mm256_broadcast_ss(p)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm256_add_ps(a, b)
-static inline vec vload_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+#define LOOM_VLEN 16
+#elif defined(__AVX__)
+#define LOOM_VLEN 8
 #else
-#error "packed_linear needs AVX2+FMA or AVX-512"
+#define LOOM_VLEN 4 /* SSE, NEON */
 #endif
+#endif
+/* MR x 2 accumulators + 2 weight vectors + 1 broadcast must fit the vector registers: 16 on
+ * AVX2 and SSE, 32 on AVX-512 and aarch64. */
+#ifndef LOOM_MR
+#if LOOM_VLEN == 16 || defined(__aarch64__)
+#define LOOM_MR 12
+#else
+#define LOOM_MR 6
+#endif
+#endif
+#define VLEN LOOM_VLEN
+#define NR (2 * VLEN)
+#define MR LOOM_MR
+#define MC (8 * MR)
+
+typedef float vec __attribute__((vector_size(VLEN * 4)));
+typedef float vec_u __attribute__((vector_size(VLEN * 4), aligned(4)));
+typedef uint16_t half_u __attribute__((vector_size(VLEN * 2), aligned(2)));
+typedef uint32_t uvec __attribute__((vector_size(VLEN * 4)));
+
+static inline vec vzero(void) { return (vec){0}; }
+static inline vec vload(const float *p) { return *(const vec_u *)p; }
+static inline void vstore(float *p, vec v) { *(vec_u *)p = v; }
+static inline vec vbcast(const float *p) { return (vec){0} + *p; }
+static inline vec vfma(vec a, vec b, vec c) { return a * b + c; } /* contracted to an FMA */
+static inline vec vadd(vec a, vec b) { return a + b; }
+/* bfloat16 is the top half of a float32: widen and shift. */
+static inline vec vload_bf16(const uint16_t *p) {
+    return (vec)(__builtin_convertvector(*(const half_u *)p, uvec) << 16);
+}
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -65,7 +70,6 @@ static inline vec vload_bf16(const uint16_t *p) {
  * cache line per k step, the rate the tile consumes its own panel. 3-12% faster at 4-64 rows
  * on the EPYC here; prefetching two panels ahead, into L2 only, or across chunks was slower. */
 #define PREFETCH 1
-#define PF_HINT _MM_HINT_T0
 #define PF_DIST 1
 
 int loom_linear_panel_width(void) { return NR; }
@@ -115,8 +119,8 @@ ALWAYS_INLINE void NAME(const int MR_, const int K, const float *restrict x, con
         const vec w0 = WLOAD(w + (int64_t)k * NR), w1 = WLOAD(w + (int64_t)k * NR + VLEN);  \
         if (PREFETCH && prefetch) {                                                          \
             const char *line = prefetch + (int64_t)k * NR * sizeof(WT);                      \
-            _mm_prefetch(line, PF_HINT);                                                 \
-            if (NR * sizeof(WT) > 64) _mm_prefetch(line + 64, PF_HINT);                  \
+            __builtin_prefetch(line, 0, 3);                                                 \
+            if (NR * sizeof(WT) > 64) __builtin_prefetch(line + 64, 0, 3);                  \
         }                                                                                    \
         FOR_ROWS(ROW_FMA)                                                                    \
     }                                                                                        \
