@@ -139,7 +139,11 @@ def _build_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(load_checkpoint_weights(model_dir))
     model.to(dtype)
-    if not (packing_pays_off(model.layers[0].mlp.gate_up_proj) and pack_linear_layers(model)):
-        model.use_fast_weight_layout()  # PyTorch's GEMM (no kernel here, float16, or AMX)
+    if packing_pays_off(dtype):
+        logger.info("linear layers: Loom's packed GEMM kernel (%d layers)",
+                    pack_linear_layers(model))
+    else:  # PyTorch's GEMM: no kernel here, float16, or bfloat16 on a CPU with AMX
+        logger.info("linear layers: PyTorch's GEMM")
+        model.use_fast_weight_layout()
     model.eval()
     return model

@@ -10,17 +10,12 @@ to float32 and outputs rounded back to the weight dtype, as PyTorch's own bf16 l
 from __future__ import annotations
 
 import ctypes
-import logging
-import math
-import time
 
 import torch
 from torch import nn
 
 from worker import hugepages
 from worker.kernels import load_kernel
-
-logger = logging.getLogger(__name__)
 
 
 class LinearKernel:
@@ -99,34 +94,26 @@ class PackedLinear(nn.Module):
                f"dtype={self.dtype}, bias={self.bias is not None}"
 
 
-def packing_pays_off(linear: nn.Linear, rows: tuple[int, ...] = (1, 16, 256)) -> bool:
-    """Whether the kernel beats PyTorch on this machine for a layer like `linear`, timed at a
-    decode-sized and a prefill-sized batch. It does on AVX2 and AVX-512 CPUs in float32; with
-    bfloat16 on a CPU with AMX, PyTorch's oneDNN GEMM uses the matrix units and wins."""
-    if not packed_linear_available(linear.weight.dtype):
+def packing_pays_off(dtype: torch.dtype) -> bool:
+    """Whether to use the kernel for weights of `dtype` on this CPU. It runs float32 at 1.4-2.4x
+    PyTorch's speed on AVX2 and bfloat16 at 1.6-6x (decode to prefill sizes); but a CPU with
+    AMX multiplies bfloat16 in its matrix units, which PyTorch's oneDNN GEMM uses and this
+    kernel does not. (Timing both at start-up was tried: on two cores shared with the other
+    processes starting up, the timings picked the slower one.)"""
+    if not packed_linear_available(dtype):
         return False
-    packed = PackedLinear(linear)
-    speedups = []
-    with torch.inference_mode():
-        for n in rows:
-            x = torch.randn(n, linear.in_features).to(linear.weight.dtype)
-            speedups.append(_best_time(lambda: linear(x)) / _best_time(lambda: packed(x)))
-    # Each batch size counts alike: the geometric mean of the speed-ups decides.
-    pays = math.prod(speedups) ** (1 / len(speedups)) > 1.0
-    logger.info("linear layers: packed kernel vs PyTorch at %s rows: %s times as fast: using %s",
-                "/".join(map(str, rows)), "/".join(f"{r:.2f}" for r in speedups),
-                "the packed kernel" if pays else "PyTorch")
-    return pays
+    return not (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags())
 
 
-def _best_time(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def pack_linear_layers(model: nn.Module) -> int:
