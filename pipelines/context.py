@@ -28,6 +28,9 @@ from pipelines.sampling_params import SamplingParams
 from pipelines.status import GenerationStatus
 
 CHUNK_SIZE = 128
+# Stands for a token the worker is still sampling (overlap scheduling); the worker feeds the
+# token it sampled last for that request wherever it sees one.
+FUTURE_TOKEN = -1
 
 
 def _new_request_id() -> str:
@@ -59,6 +62,7 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
     _log_probabilities_data: dict[int, LogProbabilities] = msgspec.field(default_factory=dict)
     _is_initial_prompt: bool = True
     _draft_offset: int = 0
+    _num_future: int = 0  # placeholders at the end of the tokens, oldest first
     target_endpoint: str | None = None
 
     def __post_init__(self) -> None:
@@ -189,6 +193,42 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         self._is_initial_prompt = False
         self._update_status(new_token)
 
+    @property
+    def num_future(self) -> int:
+        """Placeholder tokens not yet replaced by the sampled ones."""
+        return self._num_future
+
+    def update_with_future_token(self) -> None:
+        """Append a placeholder for the token the step just scheduled will sample, advancing
+        the indices as `update` would, so the next step can be scheduled before this one
+        finishes (overlap scheduling). `realize_future_token` fills it in."""
+        if self._end_idx >= self._size:
+            self._grow(CHUNK_SIZE)
+        self.tokens[self._end_idx] = FUTURE_TOKEN
+        self._start_idx = self._active_idx
+        self._active_idx = self._end_idx + 1
+        self._end_idx += 1
+        self._is_initial_prompt = False
+        self._num_future += 1
+
+    def realize_future_token(
+        self, new_token: int, log_probabilities: LogProbabilities | None = None
+    ) -> None:
+        """Overwrite the oldest placeholder with the sampled token. If that token ends the
+        request, later placeholders (steps already scheduled past it) are dropped."""
+        at = self._end_idx - self._num_future
+        self.tokens[at] = new_token
+        if log_probabilities is not None:
+            self._log_probabilities_data[at] = log_probabilities
+        self._num_future -= 1
+        self._completion_end_idx += 1
+        self._update_status(new_token, end=at + 1)
+        if self.is_done and self._num_future:
+            self._end_idx -= self._num_future
+            self._active_idx = self._end_idx
+            self._start_idx = min(self._start_idx, self._end_idx)
+            self._num_future = 0
+
     def jump_ahead(self, new_token: int) -> None:
         """Append a token that still has to be fed to the model, and return it to the user."""
         if self._end_idx >= self._size:
@@ -199,22 +239,24 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         self._completion_end_idx += 1
         self._update_status(new_token)
 
-    def _update_status(self, new_token: int) -> None:
+    def _update_status(self, new_token: int, end: int | None = None) -> None:
+        """Status after `new_token`, the last of the tokens up to `end` (default: all)."""
+        end = self._end_idx if end is None else end
         params = self.sampling_params
         if params.stop_token_ids and new_token in params.stop_token_ids:
             self.status = GenerationStatus.END_OF_SEQUENCE
-        elif not self.ignore_eos and self._is_eos(new_token):
+        elif not self.ignore_eos and self._is_eos(new_token, end):
             self.status = GenerationStatus.END_OF_SEQUENCE
-        elif self._end_idx >= self.max_length:
+        elif end >= self.max_length:
             self.status = GenerationStatus.MAXIMUM_LENGTH
 
-    def _is_eos(self, new_token: int) -> bool:
+    def _is_eos(self, new_token: int, end: int) -> bool:
         if new_token in self.eos_token_ids:
             return True
         for seq in self.eos_sequences:
             n = len(seq)
-            if n and self._end_idx - n >= self._prompt_len:
-                if self.tokens[self._end_idx - n : self._end_idx].tolist() == seq:
+            if n and end - n >= self._prompt_len:
+                if self.tokens[end - n : end].tolist() == seq:
                     return True
         return False
 

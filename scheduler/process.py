@@ -3,6 +3,10 @@ each step's new tokens back to the API process.
 
 The loop never busy-waits: when there is no work it blocks in `poll` on its sockets, and while a
 step runs on the worker it blocks until the result (or a new request, or a cancellation) arrives.
+
+Text steps overlap: while the worker runs step N, step N+1 is already built and queued on the
+worker's socket (see scheduler.py), so the worker goes from one forward pass to the next
+without waiting for this process; each result then only has to be applied and streamed.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,11 +84,13 @@ class SchedulerLoop:
         self.voices: list[str] = []
         # Worker time spent on text and on speech while both had work: each gets half.
         self._busy = {"text": 0.0, "audio": 0.0}
-        self.inflight: ScheduledStep | InflightEmbed | InflightAudio | None = None
+        # Steps sent to the worker, oldest first: at most two text steps (one running, one
+        # queued behind it), or one embeddings or speech step.
+        self.inflight: deque[ScheduledStep | InflightEmbed | InflightAudio] = deque()
         self._embed_step_id = 0
         self._audio_step_id = 0
         self._last_stats = None
-        self._last_result_at: float | None = None
+        self._last_finished_at: float | None = None  # worker clock, last text step, while busy
         self._iteration_tokens: list[int] = []
         self._step_overheads: list[float] = []
 
@@ -125,13 +132,13 @@ class SchedulerLoop:
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         while True:
-            if self.inflight is None:
+            if not self.inflight:
                 self._drain_inputs()
                 if self._start_next_step():
                     continue
                 # Idle: report the final state once, then sleep in poll until a request or
                 # cancellation arrives.
-                self._last_result_at = None
+                self._last_finished_at = None
                 self._send_outputs([])
                 self.poller.poll(1000)
                 if os.getppid() == 1:
@@ -189,32 +196,39 @@ class SchedulerLoop:
                 self._apply_audio_result(msg)
 
     def _apply_result(self, result: StepResult, received_at: float) -> None:
-        step = self.inflight
-        if step is None or result.step_id != step.batch.step_id:
+        step = self.inflight[0] if self.inflight else None
+        if not isinstance(step, ScheduledStep) or result.step_id != step.batch.step_id:
             logger.warning("dropped a result for unexpected step %d", result.step_id)
             return
-        self.inflight = None
-        self._last_result_at = received_at
+        self.inflight.popleft()
+        self._last_finished_at = result.finished_at
         self._busy["text"] += result.finished_at - result.started_at
         self._iteration_tokens.append(int(step.batch.query_lens.sum()))
-        if step.follows_result_at is not None:
-            self._step_overheads.append(result.started_at - step.follows_result_at)
+        if step.follows_finished_at is not None:
+            self._step_overheads.append(result.started_at - step.follows_finished_at)
         if result.error is not None:
             outputs = self.scheduler.fail_step(step, result.error)
         else:
             outputs, _stats = self.scheduler.update(step, result)
-        # The worker waits for its next step, the API process for these tokens: the step goes
-        # first, so the API's detokenizing overlaps the forward pass instead of delaying it.
         self._drain_inputs()
+        if self.inflight:
+            # The next step was queued behind this one: the worker is already running it.
+            if isinstance(self.inflight[0], ScheduledStep):
+                self.inflight[0].follows_finished_at = result.finished_at
+            self._send_outputs(outputs)
+            self._schedule_ahead()
+            return
+        # Nothing queued: the worker waits for its next step, the API process for these
+        # tokens. The step goes first, so the API's work overlaps the forward pass.
         self._start_next_step()
         self._send_outputs(outputs)
 
     def _apply_embed_result(self, result: EmbedResult) -> None:
-        inflight = self.inflight
+        inflight = self.inflight[0] if self.inflight else None
         if not isinstance(inflight, InflightEmbed) or result.step_id != inflight.step_id:
             logger.warning("dropped a result for unexpected step %d", result.step_id)
             return
-        self.inflight = None
+        self.inflight.popleft()
         if result.error is not None:
             empty = np.zeros(0, np.float32)
             outputs = [EmbeddingOutput(rid, empty, result.error) for rid in inflight.request_ids]
@@ -237,15 +251,15 @@ class SchedulerLoop:
         )
         self._embed_step_id += 1
         self.steps.send(self.encode(step), copy=False)
-        self.inflight = InflightEmbed(step.step_id, step.request_ids)
+        self.inflight.append(InflightEmbed(step.step_id, step.request_ids))
         return True
 
     def _apply_audio_result(self, result: AudioResult) -> None:
-        inflight = self.inflight
+        inflight = self.inflight[0] if self.inflight else None
         if not isinstance(inflight, InflightAudio) or result.step_id != inflight.step_id:
             logger.warning("dropped a result for unexpected step %d", result.step_id)
             return
-        self.inflight = None
+        self.inflight.popleft()
         seconds = result.finished_at - result.started_at
         self._busy["audio"] += seconds
         ctx = inflight.ctx
@@ -266,7 +280,7 @@ class SchedulerLoop:
                          phoneme_ids=ctx.next_segment(), speed=ctx.speed)
         self._audio_step_id += 1
         self.steps.send(self.encode(step), copy=False)
-        self.inflight = InflightAudio(step.step_id, ctx, ctx.decoded_index)
+        self.inflight.append(InflightAudio(step.step_id, ctx, ctx.decoded_index))
 
     def _audio_turn(self) -> bool:
         """Speech or text next? Alone, either runs; together they split the worker's time."""
@@ -290,11 +304,26 @@ class SchedulerLoop:
                 self._start_audio_step()
                 return True
             return False
-        step.follows_result_at = self._last_result_at
+        step.follows_finished_at = self._last_finished_at
+        self._send_step(step)
+        self._schedule_ahead()
+        return True
+
+    def _schedule_ahead(self) -> None:
+        """Queue the next text step behind the running one, unless speech is waiting (it
+        takes turns with text, decided when the worker is free) or nothing can run yet."""
+        if len(self.inflight) != 1 or not isinstance(self.inflight[0], ScheduledStep):
+            return
+        if self.speech.has_work:
+            return
+        step = self.scheduler.schedule(ahead=True)
+        if step is not None:
+            self._send_step(step)
+
+    def _send_step(self, step: ScheduledStep) -> None:
         step.batch.sent_at = time.monotonic()
         self.steps.send(self.encode(step.batch), copy=False)
-        self.inflight = step
-        return True
+        self.inflight.append(step)
 
     def _send_outputs(self, outputs: list) -> None:
         stats = self.scheduler.stats()

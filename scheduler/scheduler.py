@@ -6,6 +6,12 @@ leaves, a prefix-cache hit simply starts later. Running requests are served firs
 first; waiting requests are admitted in arrival order while budget, batch slots and KV blocks
 last. When blocks run out, the newest running request is preempted: its blocks are freed, its
 context `reset()`, and it goes back to the front of the queue to be re-encoded later.
+
+Overlap scheduling: a step advances its contexts when it is built, not when its result comes
+back; a context that samples gets a placeholder token (`update_with_future_token`). So the
+next step can be built, and sent, while this one runs; the worker feeds its own last sampled
+token for the placeholder, and the result fills it in (`realize_future_token`). A step built
+ahead (`schedule(ahead=True)`) never preempts and skips requests that will have finished.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ class SchedulerConfig:
 class ScheduledStep:
     batch: StepBatch
     contexts: list[TextContext]
-    # When the previous step's result reached the scheduler, if this step followed it at
-    # once: the worker sat idle from then until this step started (the per-step overhead).
-    follows_result_at: float | None = None
+    prompt_tokens: list[int]  # of each context's tokens fed this step, how many are prompt
+    # The worker's finishing time of the step before, if this one was ready for the worker
+    # right then (queued behind it, or sent as its result arrived): the worker sat idle from
+    # then until this step started (the per-step overhead).
+    follows_finished_at: float | None = None
 
 
 @dataclass
@@ -103,7 +111,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep | None:
+    def schedule(self, ahead: bool = False) -> ScheduledStep | None:
+        """The next step, or None if nothing can run. `ahead`: built while earlier steps are
+        still running, so it may not preempt (their contexts hold placeholders); it gives up
+        instead, and the step is built once they are done."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[TextContext] = []
         num_new: dict[str, int] = {}
@@ -114,7 +125,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             ctx = self.running[i]
             n = min(ctx.end_idx - ctx.start_idx, budget)
+            if n == 0 or self._finishes_with_pending_token(ctx):
+                i += 1  # waiting for a result: nothing it can feed yet
+                continue
             while not self.blocks.allocate(ctx.request_id, ctx.start_idx + n):
+                if ahead:
+                    return None
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -151,7 +167,13 @@ class Scheduler:
             return None
         return self._build_step(scheduled, num_new)
 
+    def _finishes_with_pending_token(self, ctx: TextContext) -> bool:
+        """Its placeholder token is the last it may have: it is done once that arrives."""
+        limit = min(ctx.max_length, self.config.max_model_len)
+        return ctx.num_future > 0 and ctx.end_idx >= limit
+
     def _preempt(self, ctx: TextContext) -> None:
+        assert ctx.num_future == 0, "preempting a request with a step in flight"
         self.running.remove(ctx)
         self.blocks.free(ctx.request_id)
         ctx.reset()
@@ -180,7 +202,15 @@ class Scheduler:
         )
         self._finished_since_last_step = []
         self._next_step_id += 1
-        return ScheduledStep(batch, contexts)
+        prompt_tokens = []
+        for ctx, samples in zip(contexts, batch.sample):
+            prompt_tokens.append(ctx.active_length if ctx.is_initial_prompt else 0)
+            # Advance now, so the next step can be built before this one's result.
+            if samples:
+                ctx.update_with_future_token()
+            else:
+                ctx.set_token_indices(start_idx=ctx.active_idx, active_idx=ctx.end_idx)
+        return ScheduledStep(batch, contexts, prompt_tokens)
 
     def update(self, step: ScheduledStep, result: StepResult,
                ) -> tuple[list[TextGenerationOutput], StepStats]:
@@ -191,24 +221,23 @@ class Scheduler:
         logprobs = sampled_logprobs_by_seq(result)
         prompt_logprobs = prompt_logprobs_by_seq(result)
         for i, ctx in enumerate(step.contexts):
-            if ctx.request_id not in self.requests:  # aborted while the step ran
+            if ctx.request_id not in self.requests:  # aborted (or ended) while the step ran
                 continue
-            n = int(step.batch.query_lens[i])
-            if ctx.is_initial_prompt:
-                stats.num_prompt_tokens += n
+            stats.num_prompt_tokens += step.prompt_tokens[i]
             if step.batch.sample[i]:
-                ctx.update(int(sampled[i]), logprobs.get(i))
+                ctx.realize_future_token(int(sampled[i]), logprobs.get(i))
                 stats.num_generation_tokens += 1
                 timings = self.timings[ctx.request_id]
                 if not timings.first_token:
                     timings.first_token = time.monotonic()
-            else:
-                ctx.set_token_indices(start_idx=ctx.active_idx, active_idx=ctx.end_idx)
-                if ctx.start_idx == ctx.end_idx and ctx.end_idx >= ctx.max_length:
-                    # Prompt-only request (max_tokens=0, e.g. scoring with echo): done.
-                    ctx.status = GenerationStatus.MAXIMUM_LENGTH
-            self.blocks.register_full_blocks(ctx.request_id, ctx.tokens, ctx.start_idx)
-            if ctx.end_idx >= self.config.max_model_len and not ctx.is_done:
+            elif step.batch.seq_lens[i] == ctx.end_idx and ctx.end_idx >= ctx.max_length:
+                # Prompt-only request (max_tokens=0, e.g. scoring with echo) whose last chunk
+                # this was: done.
+                ctx.status = GenerationStatus.MAXIMUM_LENGTH
+            # Blocks full of tokens this step computed (steps queued behind it are not done).
+            self.blocks.register_full_blocks(ctx.request_id, ctx.tokens,
+                                             int(step.batch.seq_lens[i]))
+            if ctx.end_idx - ctx.num_future >= self.config.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             if i in prompt_logprobs:
                 self._prompt_logprobs.setdefault(ctx.request_id, []).extend(prompt_logprobs[i])

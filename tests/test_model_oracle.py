@@ -41,6 +41,35 @@ def run_engine(runner, prompts_ids, budget=512, block_size=4, num_blocks=None, p
     return [c.generated_tokens.tolist() for c in ctxs], sched
 
 
+def run_engine_overlapped(runner, prompts_ids, budget=512, block_size=4, num_blocks=None,
+                          stop_ids=None, new_tokens=NEW_TOKENS):
+    """The scheduler process's order of events, in one process: while step N "runs", step
+    N+1 is built ahead (placeholders for N's tokens); N's result is applied before N+1 runs."""
+    blocks = BlockManager(num_blocks or runner.num_blocks, block_size, True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
+                                      max_model_len=runner.max_model_len), blocks)
+    stop_ids = stop_ids or [set()] * len(prompts_ids)
+    ctxs = [TextContext(max_length=len(p) + new_tokens, tokens=np.array(p), eos_token_ids=s,
+                        sampling_params=SamplingParams()) for p, s in zip(prompts_ids, stop_ids)]
+    for c in ctxs:
+        sched.add_request(c)
+    queue, ahead_steps = [], 0
+    while sched.has_work or queue:
+        if not queue:
+            step = sched.schedule()
+            assert step is not None
+            queue.append(step)
+        ahead = sched.schedule(ahead=True)
+        if ahead is not None:
+            queue.append(ahead)
+            ahead_steps += 1
+        running = queue.pop(0)
+        sched.update(running, runner.execute(running.batch))
+    assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
+    assert ahead_steps > 0
+    return [c.generated_tokens.tolist() for c in ctxs], sched
+
+
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
 def arch_model(request, smollm2_dir, tmp_path_factory):
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), smollm2_dir,
@@ -65,6 +94,31 @@ def test_chunked_prefill_and_prefix_hits_match(arch_model):
     ids = [tok.encode(shared + p) for p in PROMPTS]
     ours, sched = run_engine(runner, ids, budget=7)  # every prompt spans several chunks
     assert sched.blocks.prefix_hits > 0
+    for p, got in zip(ids, ours):
+        assert got == hf_greedy(hf, tok, p, NEW_TOKENS)
+
+
+def test_overlap_scheduling_matches_with_stops_chunks_and_prefix_hits(arch_model):
+    runner, hf, tok = arch_model
+    shared = "A long shared system preamble that many requests start with. " * 3
+    ids = [tok.encode(shared + p) for p in PROMPTS]
+    expected = [hf_greedy(hf, tok, p, NEW_TOKENS) for p in ids]
+    # Each request stops at a token its greedy output reaches mid-way, so requests end while
+    # a step built past their end is already queued.
+    stops = [{e[3 + i % 4]} for i, e in enumerate(expected)]
+    ours, sched = run_engine_overlapped(runner, ids, budget=40, stop_ids=stops)
+    assert sched.blocks.prefix_hits > 0
+    for got, want, stop in zip(ours, expected, stops):
+        assert got == want[: want.index(next(iter(stop))) + 1]
+
+
+def test_overlap_scheduling_falls_back_to_preemption_when_blocks_run_out(arch_model):
+    runner, hf, tok = arch_model
+    ids = [tok.encode(p) for p in PROMPTS]
+    # Room for about two sequences at once: steps built ahead cannot preempt, so the
+    # scheduler has to wait for the running step and preempt then.
+    ours, sched = run_engine_overlapped(runner, ids, num_blocks=16)
+    assert sched.num_preemptions > 0
     for p, got in zip(ids, ours):
         assert got == hf_greedy(hf, tok, p, NEW_TOKENS)
 

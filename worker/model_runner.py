@@ -8,6 +8,7 @@ import time
 import numpy as np
 import torch
 
+from pipelines.context import FUTURE_TOKEN
 from serialization.messages import StepBatch, StepResult
 from worker.attention import build_attention_metadata
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
@@ -87,7 +88,7 @@ class ModelRunner:
         echo_plans = plan_echo(step, states)
         rows = [last_rows[sample_seqs]] + [p.rows for p in echo_plans]
         logits_rows = torch.from_numpy(np.concatenate(rows))
-        input_ids = torch.from_numpy(step.input_ids.astype(np.int64))
+        input_ids = torch.from_numpy(_realize_future_tokens(step, states))
         constrained = [j for j, i in enumerate(sample_seqs) if states[i].matcher is not None]
         with torch.inference_mode():
             logits = self.model(input_ids, meta, self.kv_cache, logits_rows)
@@ -125,6 +126,21 @@ class ModelRunner:
         except Exception as exc:  # validated by the API already; never fail the whole step
             logger.error("request %s: grammar failed to compile: %s", request_id, exc)
             return None
+
+
+def _realize_future_tokens(step: StepBatch, states: list[RequestSamplingState]) -> np.ndarray:
+    """The step's input ids, each FUTURE_TOKEN placeholder (a step scheduled before the one
+    before it finished) replaced by the token this worker sampled last for that sequence."""
+    ids = step.input_ids.astype(np.int64)
+    future = np.flatnonzero(ids == FUTURE_TOKEN)
+    if len(future):
+        seqs = np.searchsorted(np.cumsum(step.query_lens), future, side="right")
+        for row, seq in zip(future.tolist(), seqs.tolist()):
+            # (Nothing sampled: the step that should have failed, and the scheduler has
+            # already ended the request; any token will do for its last, discarded row.)
+            outputs = states[seq].output_tokens
+            ids[row] = outputs[-1] if outputs else 0
+    return ids
 
 
 def _build_model(
