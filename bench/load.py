@@ -39,7 +39,7 @@ def requests_for(cfg: LoadConfig, concurrency: int) -> int:
 
 
 async def run_load(cfg: LoadConfig, levels: dict, log=print,
-                   clean: CleanRuns | None = None) -> None:
+                   clean: CleanRuns | None = None, label: str = "server") -> None:
     """Runs every level, adding each one's summary to `levels` (keyed by concurrency) as soon
     as it ends. A level disturbed by other processes is run again (see clean_runs.py); its
     waiting for quiet may block the loop, which is fine: nothing else is in flight then."""
@@ -51,10 +51,10 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print,
         # One request first, not counted: the server's first step pays one-time costs.
         await _warm_up(client, cfg, prompts)
         for c in cfg.concurrency:
-            for attempt in clean.attempts(f"server c={c}"):
+            for attempt in clean.attempts(f"{label} c={c}"):
                 attempt.result = await _measure_level(client, cfg, c, prompts)
             levels[str(c)] = summary = clean.best_result()
-            log(f"server: c={c:>3}: {summary['output_tok_s'] or 0:8.1f} tok/s, TTFT p50 "
+            log(f"{label}: c={c:>3}: {summary['output_tok_s'] or 0:8.1f} tok/s, TTFT p50 "
                 f"{_ms(summary['ttft_p50_s'])}, ITL p50 {_ms(summary['itl_p50_s'])}, "
                 f"{summary['failed']} failed")
 

@@ -8,28 +8,49 @@ import os
 from bench.interference import WARN_CORES
 from bench.stats import ratio
 
+# The ceiling a server is compared with is the same work done by the bare model: the batch
+# prefilled in chunks, then decoded ("ceil P+D"). The decode-only rate is shown beside it: no
+# server can reach it on a load that has prompts, but it is the model's speed per step.
 COLUMNS = [  # (header, width)
-    ("conc", 4), ("server tok/s", 12), ("ceiling tok/s", 13), ("srv/ceil", 8),
-    ("srv/seq", 7), ("req/s", 6), ("TTFT p50", 8), ("TTFT p99", 8), ("ITL p50", 7),
-    ("ITL p99", 7), ("E2E p50", 7), ("failed", 6),
+    ("conc", 4), ("server tok/s", 12), ("ceil P+D", 8), ("srv/ceil", 8), ("ceil dec", 8),
+    ("srv/dec", 7), ("srv/seq", 7), ("peer tok/s", 10), ("srv/peer", 8), ("req/s", 5),
+    ("TTFT p50", 8), ("TTFT p99", 8), ("ITL p50", 7), ("ITL p99", 7), ("E2E p50", 7),
+    ("failed", 6),
 ]
+
+# The issue's targets, checked on every run (see README, Benchmarks).
+TARGET_SERVER_OVER_CEILING = 0.90  # at concurrency 16 and 32
+TARGET_SERVER_OVER_PEER = 1.5
+TARGET_SERVER_OVER_SEQUENTIAL = 8.0  # at concurrency 16
+TARGET_OVERHEAD_MS = 1.0  # median worker idle between steps
+TARGET_TTFT_OVER_PREFILL_MS = 5.0  # at concurrency 1
+TARGET_ITL_OVER_FORWARD = 1.10  # at concurrency 1
+TARGET_STARTUP_S = 10.0
 
 
 def comparison_rows(results: dict) -> list[dict]:
     """One row per concurrency level, joining the server's level with the ceiling's batch of
-    the same size and the sequential baseline."""
+    the same size, the peer's level and the sequential baseline."""
     levels = (results.get("server") or {}).get("levels") or {}
+    peer_levels = (results.get("peer") or {}).get("levels") or {}
     batches = (results.get("ceiling") or {}).get("batches") or {}
     sequential = ((results.get("baseline") or {}).get("sequential") or {}).get("tok_s")
     rows = []
     for key, level in levels.items():
-        ceiling = (batches.get(key) or {}).get("decode_tok_s")
+        batch = batches.get(key) or {}
+        ceiling = batch.get("prefill_and_decode_tok_s")
+        decode = batch.get("decode_tok_s")
+        peer = (peer_levels.get(key) or {}).get("output_tok_s")
         rows.append({
             "concurrency": level["concurrency"],
             "server_tok_s": level["output_tok_s"],
             "ceiling_tok_s": ceiling,
             "server_over_ceiling": ratio(level["output_tok_s"], ceiling),
+            "ceiling_decode_tok_s": decode,
+            "server_over_decode_ceiling": ratio(level["output_tok_s"], decode),
             "server_over_sequential_baseline": ratio(level["output_tok_s"], sequential),
+            "peer_tok_s": peer,
+            "server_over_peer": ratio(level["output_tok_s"], peer),
             "requests_s": level["requests_s"],
             "ttft_p50_s": level["ttft_p50_s"], "ttft_p99_s": level["ttft_p99_s"],
             "itl_p50_s": level["itl_p50_s"], "itl_p99_s": level["itl_p99_s"],
@@ -63,6 +84,11 @@ def summary_lines(results: dict) -> list[str]:
                      f"({batch['prefill_steps']} steps), decode step p50 "
                      f"{batch['decode_step_ms_p50']:.1f} ms, prefill+decode "
                      f"{batch['prefill_and_decode_tok_s']:.1f} tok/s")
+    peer = results.get("peer") or {}
+    for key, level in (peer.get("levels") or {}).items():
+        lines.append(f"{peer.get('name', 'peer')} c={key}: {_fmt(level['output_tok_s'])} tok/s, "
+                     f"TTFT p50 {_fmt(_ms(level['ttft_p50_s']), 0)} ms, ITL p50 "
+                     f"{_fmt(_ms(level['itl_p50_s']))} ms, {level['failed']} failed")
     for name, part in baseline.items():
         lines.append(f"baseline ({name.replace('_', ' ')}): {part['tok_s']:.1f} tok/s "
                      f"({part['tokens']} tokens in {part['seconds']:.1f} s)")
@@ -87,11 +113,11 @@ def summary_lines(results: dict) -> list[str]:
 
 
 def _breakdown_line(key: str, m: dict) -> str:
-    idle, share = _fmt(m["worker_idle_ms_per_step"]), _fmt(_pct(m["worker_idle_share"]), 0)
+    idle, share = _fmt(m.get("worker_idle_ms_p50"), 2), _fmt(_pct(m["worker_idle_share"]), 0)
     queue, prefill = _fmt(_ms(m["queue_s_mean"]), 0), _fmt(_ms(m["prefill_s_mean"]), 0)
     return (f"c={key} server steps: {m['steps']} steps of {m['tokens_per_step']:.1f} tokens, "
-            f"one every {m['step_period_ms']:.1f} ms, worker idle {idle} ms/step ({share}% of "
-            f"wall); per request: queue {queue} ms, prefill {prefill} ms, decode "
+            f"one every {m['step_period_ms']:.1f} ms, worker idle {idle} ms/step (median; {share}% "
+            f"of wall); per request: queue {queue} ms, prefill {prefill} ms, decode "
             f"{_fmt(m['decode_s_mean'], 2)} s")
 
 
@@ -114,8 +140,10 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         cells = [
             str(r["concurrency"]), _fmt(r["server_tok_s"]), _fmt(r["ceiling_tok_s"]),
-            _fmt(r["server_over_ceiling"], 2), _fmt(r["server_over_sequential_baseline"], 1),
-            _fmt(r["requests_s"], 2), _fmt(_ms(r["ttft_p50_s"]), 0), _fmt(_ms(r["ttft_p99_s"]), 0),
+            _fmt(r["server_over_ceiling"], 2), _fmt(r["ceiling_decode_tok_s"]),
+            _fmt(r["server_over_decode_ceiling"], 2), _fmt(r["server_over_sequential_baseline"], 1),
+            _fmt(r["peer_tok_s"]), _fmt(r["server_over_peer"], 2), _fmt(r["requests_s"], 2),
+            _fmt(_ms(r["ttft_p50_s"]), 0), _fmt(_ms(r["ttft_p99_s"]), 0),
             _fmt(_ms(r["itl_p50_s"]), 1), _fmt(_ms(r["itl_p99_s"]), 1),
             _fmt(r["e2e_p50_s"], 2) + "s", str(r["failed"]),
         ]
@@ -132,7 +160,62 @@ def render(results: dict) -> str:
     if rows:
         parts += [format_table(rows), ""]
     parts += summary_lines(results)
+    targets = target_lines(results)
+    if targets:
+        parts += ["", "targets:"] + targets
     return "\n".join(parts)
+
+
+def target_lines(results: dict) -> list[str]:
+    """Each target of the issue that this run measured: PASS or MISS, with the numbers."""
+    rows = {str(r["concurrency"]): r for r in comparison_rows(results)}
+    server = results.get("server") or {}
+    ceiling = results.get("ceiling") or {}
+    c1 = (server.get("levels") or {}).get("1") or {}
+    peer = (results.get("peer") or {}).get("name") or "peer"
+    lines = []
+
+    def check(ok: bool, text: str) -> None:
+        lines.append(f"  {'PASS' if ok else 'MISS'}  {text}")
+
+    for key in ("16", "32"):
+        r = rows.get(key) or {}
+        if r.get("server_over_ceiling") is not None:
+            check(r["server_over_ceiling"] >= TARGET_SERVER_OVER_CEILING,
+                  f"c={key}: server / ceiling (same work) {r['server_over_ceiling']:.2f} >= "
+                  f"{TARGET_SERVER_OVER_CEILING}")
+        if r.get("server_over_peer") is not None:
+            check(r["server_over_peer"] >= TARGET_SERVER_OVER_PEER,
+                  f"c={key}: server / {peer} {r['server_over_peer']:.2f} >= "
+                  f"{TARGET_SERVER_OVER_PEER}")
+    seq = (rows.get("16") or {}).get("server_over_sequential_baseline")
+    if seq is not None:
+        check(seq >= TARGET_SERVER_OVER_SEQUENTIAL,
+              f"c=16: server / sequential transformers {seq:.1f} >= "
+              f"{TARGET_SERVER_OVER_SEQUENTIAL:.0f}")
+    for key, level in (server.get("levels") or {}).items():
+        idle = (level.get("server_metrics") or {}).get("worker_idle_ms_p50")
+        if idle is not None:
+            check(idle <= TARGET_OVERHEAD_MS,
+                  f"c={key}: scheduling + IPC gap at the worker, median {idle:.2f} ms <= "
+                  f"{TARGET_OVERHEAD_MS:.0f} ms")
+    prefill_ms = (ceiling.get("prefill_one") or {}).get("ms")
+    ttft_ms = _ms(c1.get("ttft_p50_s"))
+    if prefill_ms is not None and ttft_ms is not None:
+        check(ttft_ms - prefill_ms <= TARGET_TTFT_OVER_PREFILL_MS,
+              f"c=1: TTFT p50 {ttft_ms:.1f} ms - prefill {prefill_ms:.1f} ms = "
+              f"{ttft_ms - prefill_ms:+.1f} ms <= {TARGET_TTFT_OVER_PREFILL_MS:.0f} ms")
+    forward_ms = ceiling.get("one_token_forward_ms")
+    itl_ms = _ms(c1.get("itl_p50_s"))
+    if forward_ms and itl_ms is not None:
+        check(itl_ms / forward_ms <= TARGET_ITL_OVER_FORWARD,
+              f"c=1: ITL p50 {itl_ms:.1f} ms / one-token forward {forward_ms:.1f} ms = "
+              f"{itl_ms / forward_ms:.2f} <= {TARGET_ITL_OVER_FORWARD}")
+    if server.get("startup_s") is not None:
+        check(server["startup_s"] <= TARGET_STARTUP_S,
+              f"start-up to a healthy /health {server['startup_s']:.1f} s <= "
+              f"{TARGET_STARTUP_S:.0f} s")
+    return lines
 
 
 def write_json(results: dict, path: str) -> None:

@@ -4,6 +4,7 @@ Examples:
   python -m bench.run                                  # everything, defaults (P=256, N=128)
   python -m bench.run --prompt-len 64 --output-len 16 --concurrency 1 4    # a quick check
   python -m bench.run --url http://127.0.0.1:8000 --skip-ceiling --skip-baseline
+  python -m bench.run --peer-url http://127.0.0.1:8100 --peer-name vllm   # loom and a peer
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "starting loom")
     p.add_argument("--model", default=None,
                    help="model name sent in requests; default: the first of GET /v1/models")
+    p.add_argument("--peer-url", default=None,
+                   help="also drive this OpenAI-compatible server (127.0.0.1 only, already "
+                        "running, same checkpoint) at the same levels, after loom")
+    p.add_argument("--peer-name", default="peer", help="the peer's label in the report")
+    p.add_argument("--peer-model", default=None,
+                   help="model name for the peer; default: the first of its GET /v1/models")
     p.add_argument("--model-dir", default=None,
                    help="checkpoint for the ceiling, the baseline and loom; default: the "
                         "converted SmolLM2-135M-Instruct")
@@ -116,7 +123,7 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
     as it goes, so an interrupted run still reports the levels it finished."""
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
-        drive(args, record, clean)
+        drive(args, record, clean, args.model)
         return record
     from bench.server import LoomServer
 
@@ -128,21 +135,28 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
         record.update(url=server.base_url, started_by_bench=True, startup_s=server.startup_s,
                       command=server.command, log=log_path)
         log(f"server: healthy after {server.startup_s:.1f} s ({' '.join(server.command)})")
-        drive(args, record, clean)
+        drive(args, record, clean, args.model)
     return record
 
 
-def drive(args, record: dict, clean: CleanRuns) -> None:
+def run_peer_phase(args, record: dict, clean: CleanRuns) -> dict:
+    record.update(url=loopback_base_url(args.peer_url), name=args.peer_name)
+    log(f"{args.peer_name}: driving {record['url']}")
+    drive(args, record, clean, args.peer_model, label=args.peer_name)
+    return record
+
+
+def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = "server") -> None:
     from bench.load import LoadConfig, run_load
 
     base_url = record["url"]
-    record["model"] = model = args.model or served_model(base_url)
+    record["model"] = model = model or served_model(base_url)
     cfg = LoadConfig(base_url=base_url, model=model, prompt_len=args.prompt_len,
                      output_len=args.output_len, concurrency=args.concurrency,
                      requests_per_client=args.requests_per_client,
                      level_timeout=args.level_timeout)
     record["levels"] = {}
-    asyncio.run(run_load(cfg, record["levels"], log=log, clean=clean))
+    asyncio.run(run_load(cfg, record["levels"], log=log, clean=clean, label=label))
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -156,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len < 1 or args.output_len < 2 or min(args.concurrency) < 1:
         # One output token would leave no decode step to time, nor any inter-token latency.
         parser.error("--prompt-len must be >= 1, --output-len >= 2, --concurrency values >= 1")
-    if args.url:
+    for url in (args.url, args.peer_url):
+        if not url:
+            continue
         try:
-            loopback_base_url(args.url)
+            loopback_base_url(url)
         except NotLoopbackError as exc:
             print(f"bench: error: {exc}", file=sys.stderr)
             return 2
@@ -191,11 +207,14 @@ def _run_phases(args, results: dict, server_log: str, monitor: InterferenceMonit
     results["config"]["model_dir"] = model_dir
     if not args.skip_server:
         results["server"] = {}  # filled level by level
+    if args.peer_url:
+        results["peer"] = {}
     clean = CleanRuns(monitor, retries=args.retries, wait_idle=args.wait_idle, log=log)
     phases = [
         ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir, clean)),
         ("server", args.skip_server,
          lambda: run_server_phase(args, model_dir, server_log, results["server"], clean)),
+        ("peer", not args.peer_url, lambda: run_peer_phase(args, results["peer"], clean)),
         ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir, clean)),
     ]
     for name, skip, phase in phases:
@@ -223,7 +242,7 @@ def _config(args) -> dict:
             "chunk_tokens": chunk_tokens(args), "requests_per_client": args.requests_per_client,
             "level_timeout_s": args.level_timeout, "baseline_batch": args.baseline_batch,
             "baseline_requests": args.baseline_requests, "wait_idle_s": args.wait_idle,
-            "retries": args.retries}
+            "retries": args.retries, "peer_url": args.peer_url, "peer_name": args.peer_name}
 
 
 def _model_name(results: dict) -> str:

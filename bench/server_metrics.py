@@ -23,17 +23,45 @@ async def scrape(client, base_url: str) -> dict[str, float] | None:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
+    """Series summed over their label sets; histogram buckets keep their bound, as
+    `name_bucket|le`."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith(PREFIX):
             continue  # comments, and other exporters' series
         name_and_labels, _, value = line.rpartition(" ")
         name = name_and_labels.split("{", 1)[0]
+        if name.endswith("_bucket") and 'le="' in name_and_labels:
+            name += "|" + name_and_labels.split('le="', 1)[1].split('"', 1)[0]
         try:
             values[name] = values.get(name, 0.0) + float(value)
         except ValueError:
             continue
     return values
+
+
+def histogram_quantile(before: dict, after: dict, name: str, q: float) -> float | None:
+    """The q-quantile of a histogram's observations between two scrapes, interpolated
+    linearly inside its bucket (as Prometheus' histogram_quantile does)."""
+    prefix = f"{PREFIX}{name}_bucket|"
+    bounds = sorted((float(key[len(prefix):]), after[key] - before.get(key, 0.0))
+                    for key in after if key.startswith(prefix))
+    if not bounds or bounds[-1][1] <= 0:
+        return None
+    rank = q * bounds[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, cumulative in bounds:
+        if cumulative >= rank:
+            if bound == float("inf"):
+                return lower
+            inside = cumulative - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, cumulative
+    return lower
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def level_breakdown(before: dict | None, after: dict | None, wall: float) -> dict | None:
@@ -60,6 +88,7 @@ def level_breakdown(before: dict | None, after: dict | None, wall: float) -> dic
         # The worker waiting for its next step (scheduling, ZeroMQ, decode of messages):
         # time the model is not running.
         "worker_idle_ms_per_step": overhead_s / overhead_count * 1e3 if overhead_count else None,
+        "worker_idle_ms_p50": _ms(histogram_quantile(before, after, "step_overhead_seconds", 0.5)),
         "worker_idle_share": overhead_s / wall if wall else None,
         "queue_s_mean": mean("request_queue_time_seconds"),
         "prefill_s_mean": mean("request_prefill_time_seconds"),
