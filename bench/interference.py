@@ -2,7 +2,8 @@
 
 On a 2-core machine one concurrent test run makes every number several times worse, so the
 benchmark accounts for the CPU time of every process outside its own tree (this process,
-loom and loom's children), per phase and per measured unit (see clean_runs.py).
+loom and loom's children, and a peer server it drives), per phase and per measured unit (see
+clean_runs.py).
 """
 
 from __future__ import annotations
@@ -33,12 +34,38 @@ def _read_procs() -> dict[int, tuple[int, int]]:
     return procs
 
 
-def _ours(pid: int, procs: dict, root: int) -> bool:
+def _ours(pid: int, procs: dict, roots: set[int]) -> bool:
     while pid > 1 and pid in procs:
-        if pid == root:
+        if pid in roots:
             return True
         pid = procs[pid][0]
     return False
+
+
+def listening_pid(port: int) -> int | None:
+    """The process with a TCP socket listening on `port` on this machine (a peer server we
+    drive: its CPU is the work being measured, not interference)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for name in os.listdir("/proc") if inodes else ():
+        if not name.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{name}/fd"):
+                if os.readlink(f"/proc/{name}/fd/{fd}") in inodes:
+                    return int(name)
+        except OSError:
+            continue
+    return None
 
 
 class InterferenceMonitor:
@@ -55,7 +82,7 @@ class InterferenceMonitor:
         self._lock = threading.Lock()
         self._procs: dict | None = None
         self._then = 0.0
-        self._root = os.getpid()
+        self._roots = {os.getpid()}  # process trees whose CPU is ours
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="interference", daemon=True)
 
@@ -74,6 +101,11 @@ class InterferenceMonitor:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    def count_as_ours(self, pid: int) -> None:
+        """From now on the tree of `pid` (a peer server under test) is not interference."""
+        with self._lock:
+            self._roots.add(pid)
+
     def mark(self, phase: str) -> None:
         self.sample()  # close the previous phase's books at the boundary
         self.phase = phase
@@ -86,7 +118,7 @@ class InterferenceMonitor:
             procs, now = _read_procs(), time.monotonic()
             if self._procs is not None:
                 ticks = sum(t - self._procs.get(pid, (0, 0))[1] for pid, (_, t) in procs.items()
-                            if not _ours(pid, procs, self._root))
+                            if not _ours(pid, procs, self._roots))
                 self._book(ticks / TICKS, now - self._then)
             self._procs, self._then = procs, now
             return self.total_cpu_s

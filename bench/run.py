@@ -140,8 +140,16 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
 
 
 def run_peer_phase(args, record: dict, clean: CleanRuns) -> dict:
+    from urllib.parse import urlsplit
+
+    from bench.interference import listening_pid
+
     record.update(url=loopback_base_url(args.peer_url), name=args.peer_name)
-    log(f"{args.peer_name}: driving {record['url']}")
+    port = urlsplit(record["url"]).port or 80
+    pid = listening_pid(port)
+    if pid is not None and clean.monitor is not None:
+        clean.monitor.count_as_ours(pid)  # the peer's CPU is the work, not interference
+    log(f"{args.peer_name}: driving {record['url']} (pid {pid})")
     drive(args, record, clean, args.peer_model, label=args.peer_name)
     return record
 
