@@ -61,8 +61,13 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     if speech is not None:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
     results.send(encode(ready))
+    from worker.kv_cache import KVCachePrefault  # (torch: imported in the worker only)
+
+    prefault = KVCachePrefault(runner.kv_cache) if hasattr(runner, "kv_cache") else None
 
     while True:
+        while prefault is not None and not prefault.done and not steps.poll(0):
+            prefault.step()  # idle: fault a few fresh KV blocks in
         frame = steps.recv(copy=False)
         started = time.monotonic()
         msg = decode_or_drop(decode, frame.buffer, "steps")
