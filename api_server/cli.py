@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not reuse KV blocks of shared prompt prefixes")
     s.add_argument("--num-threads", type=int, default=None,
                    help="torch threads in the worker; default: all cores")
+    s.add_argument("--no-cpu-placement", action="store_true",
+                   help="do not bind the worker's threads to cores nor keep the API and "
+                        "scheduler off the core of its main thread")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     s.add_argument("--request-timeout", type=float, default=None,
@@ -98,6 +101,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
+        cpu_placement=not args.no_cpu_placement,
         log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
         request_timeout=args.request_timeout, step_timeout=args.step_timeout,
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,

@@ -32,6 +32,7 @@ from scheduler.process import SchedulerProcessConfig, run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
 from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.bert_config import BertConfig
+from pipelines.cpu_placement import CpuPlacement
 from worker.process import run_worker
 
 logger = logging.getLogger("loom")
@@ -55,6 +56,7 @@ class ServeConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    cpu_placement: bool = True
     log_level: str = "info"
     startup_timeout: float = 300.0
     shutdown_timeout: float = 10.0
@@ -146,14 +148,19 @@ class Launcher:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching, log_level=cfg.log_level,
         )
+        placement = CpuPlacement.plan(threads) if cfg.cpu_placement else None
         self.children = [
             mp.Process(target=run_worker, name="loom-worker",
-                       args=(runner_cfg, self.endpoints, threads, cfg.log_level)),
+                       args=(runner_cfg, self.endpoints, threads, cfg.log_level, placement)),
             mp.Process(target=run_scheduler, name="loom-scheduler",
-                       args=(sched_cfg, self.endpoints)),
+                       args=(sched_cfg, self.endpoints, placement)),
         ]
         for child in self.children:
             child.start()
+        if placement is not None:  # after the children, which inherit this process' cores
+            placement.enter_service()
+            logger.info("cores: worker %s, API and scheduler %s", list(placement.worker),
+                        list(placement.service))
 
     async def watch_children(self, engine: EngineClient, server: uvicorn.Server) -> None:
         """Wait for any child to exit; then fail everything in flight and shut down."""

@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from pipelines.context import TextContext
+from pipelines.cpu_placement import CpuPlacement
 from pipelines.embeddings import EmbeddingsContext
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
 from pipelines.tts_context import TTSContext
@@ -354,11 +355,14 @@ class InflightEmbed:
     request_ids: list[str]
 
 
-def run_scheduler(cfg: SchedulerProcessConfig, endpoints: Endpoints) -> None:
+def run_scheduler(cfg: SchedulerProcessConfig, endpoints: Endpoints,
+                  placement: CpuPlacement | None = None) -> None:
     """Entry point of the scheduler process (spawned by `loom serve`)."""
     die_with_parent()
     ignore_interrupts()
     setup_logging(cfg.log_level)
+    if placement is not None:
+        placement.enter_service()
     loop = SchedulerLoop(cfg, endpoints)
     ready = loop.wait_for_worker()
     if ready is None:

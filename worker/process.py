@@ -9,6 +9,7 @@ import traceback
 
 import zmq
 
+from pipelines.cpu_placement import CpuPlacement, worker_threads
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
@@ -27,20 +28,24 @@ from serialization.sockets import Endpoints, decode_or_drop, make_socket
 logger = logging.getLogger("loom.worker")
 
 
-def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level: str) -> None:
+def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level: str,
+               placement: CpuPlacement | None = None) -> None:
     """Entry point of the worker process (spawned by `loom serve`)."""
     die_with_parent()
     ignore_interrupts()
     setup_logging(log_level)
+    if placement is not None:
+        placement.enter_worker()  # before torch loads OpenMP
     import torch
 
     torch.set_num_threads(num_threads)
     from worker.decode_attention import set_kernel_threads
 
     set_kernel_threads(num_threads)
-    zctx = zmq.Context()
-    steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False)
-    results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)
+    with worker_threads():  # ZeroMQ starts its I/O thread with the first socket
+        zctx = zmq.Context()
+        steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False)
+        results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)
     encode = msgpack_numpy_encoder()
     decode = msgpack_numpy_decoder(StepMessage, copy=False)
 
@@ -51,7 +56,8 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
             from worker.speech_runner import SpeechRunner
 
             if SpeechRunner.available():
-                speech = SpeechRunner(noise=runner_config.speech_noise)
+                with worker_threads():  # onnxruntime's thread pool
+                    speech = SpeechRunner(noise=runner_config.speech_noise)
     except Exception as exc:  # reported to the user as one line by `loom serve`
         logger.debug("model load failed", exc_info=True)
         results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}")))

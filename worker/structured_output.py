@@ -18,6 +18,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from pipelines.cpu_placement import worker_threads
 from pipelines.grammar import grammar_for_json_schema
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class GrammarCompiler:
 
             self._tokenizer = _llguidance_tokenizer(model_dir)
             # As many threads as the worker's torch threads: more would oversubscribe the cores.
-            self._executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
+            with worker_threads():
+                self._executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
         except Exception as exc:  # reported on the first structured request
             self._error = exc
             logger.warning("structured output unavailable: %s", exc)
