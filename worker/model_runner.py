@@ -12,6 +12,7 @@ from pipelines.context import FUTURE_TOKEN
 from serialization.messages import StepBatch, StepResult
 from worker.attention import build_attention_metadata
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
+from worker.fused_decode import FusedDecode
 from worker.logits_processors import process_logits
 from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
@@ -158,6 +159,7 @@ def _build_model(
     if packing_pays_off(dtype):
         logger.info("linear layers: Loom's packed GEMM kernel (%d layers)",
                     pack_linear_layers(model))
+        model.fused_decode = FusedDecode.for_model(model)
     else:  # PyTorch's GEMM: no kernel here, float16, or bfloat16 on a CPU with AMX
         logger.info("linear layers: PyTorch's GEMM")
         model.use_fast_weight_layout()

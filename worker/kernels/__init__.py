@@ -36,10 +36,11 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         _loaded[key] = None
         return None
     source = os.path.join(_HERE, f"{name}.c")
-    with open(source, "rb") as f:
-        # -march=native: a library built on another CPU (a shared home directory) could use
-        # instructions this one lacks, so the CPU is part of the cache key.
-        digest = hashlib.sha256(f.read() + _cpu_identity() + repr(defines).encode()).hexdigest()
+    # Every source of the directory is part of the key (a kernel may #include another), and
+    # so is the CPU: -march=native code built on another one (a shared home directory) could
+    # use instructions this one lacks.
+    digest = hashlib.sha256(_sources_digest() + _cpu_identity() + repr(defines).encode())
+    digest = digest.hexdigest()
     target = os.path.join(_cache_dir(), f"{name}-{digest[:16]}.so")
     try:
         if not os.path.exists(target):
@@ -49,6 +50,15 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         logger.warning("native kernel %s unavailable (%s); using the PyTorch path", name, exc)
         _loaded[key] = None
     return _loaded[key]
+
+
+def _sources_digest() -> bytes:
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(_HERE)):
+        if name.endswith((".c", ".h")):
+            with open(os.path.join(_HERE, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.digest()
 
 
 def _cpu_identity() -> bytes:

@@ -180,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_positions)
+        # All layers in one native call for decode-only steps (worker/fused_decode.py), set
+        # by the model runner once the weights are packed.
+        self.fused_decode = None
 
     def forward(
         self,
@@ -189,9 +192,12 @@ class LlamaForCausalLM(nn.Module):
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, self.rotary, kv_cache[i, 0],
-                                     kv_cache[i, 1], meta)
+        if self.fused_decode is not None and self.fused_decode.applies(meta):
+            hidden, residual = self.fused_decode(hidden, meta, kv_cache)
+        else:
+            for i, layer in enumerate(self.layers):
+                hidden, residual = layer(hidden, residual, self.rotary, kv_cache[i, 0],
+                                         kv_cache[i, 1], meta)
         x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
         return self.lm_head(x).float()
 

@@ -1,0 +1,101 @@
+"""FusedDecode: all decoder layers of a float32 model, for a step of one-token sequences, in
+one native call (`worker/kernels/decoder.c` says why).
+
+Used by LlamaForCausalLM when every linear layer is packed, the model has no q/k norms, and
+the step has no prefill chunk; everything else takes the Python path, which computes the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from worker.attention import AttentionMetadata
+from worker.kernels import load_kernel
+from worker.packed_linear import PackedLinear
+
+_P = ctypes.c_void_p
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
+                                         "gate_up", "down", "k_cache", "v_cache")]
+
+
+class _ModelDims(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim",
+                                                   "intermediate", "block_size")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_lib = load_kernel("decoder")
+if _lib is not None:
+    _lib.loom_decode_layers_f32.restype = ctypes.c_int
+    _lib.loom_decode_layers_f32.argtypes = [
+        ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), _P, _P,
+        ctypes.c_int, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+
+
+class FusedDecode:
+    def __init__(self, model) -> None:
+        self.model = model
+        cfg = model.config
+        attn = model.layers[0].self_attn
+        self.dims = _ModelDims(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                               cfg.intermediate_size, 0, model.norm.eps, attn.scale)
+        self._layers = None
+        self._cache_ptr = None
+
+    @classmethod
+    def for_model(cls, model) -> "FusedDecode | None":
+        """None where the native path does not apply (the Python path is used)."""
+        if _lib is None or model.embed_tokens.weight.dtype != torch.float32:
+            return None
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.q_norm is not None or not all(isinstance(m, PackedLinear) for m in linears):
+                return None
+            if any(m.bias is not None for m in linears[1:]):
+                return None
+        return cls(model)
+
+    @staticmethod
+    def applies(meta: AttentionMetadata) -> bool:
+        """A step whose sequences all feed one token (the rows are the sequences, in order)."""
+        return len(meta.groups) == 1 and meta.groups[0].single_query
+
+    def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the step's embeddings [T, hidden] (overwritten). Returns (hidden, residual)."""
+        layers = self._layer_weights(kv_cache)
+        self.dims.block_size = kv_cache.shape[3]
+        group = meta.groups[0]
+        tokens = x.shape[0]
+        residual = torch.empty_like(x)
+        rotary = self.model.rotary
+        rc = _lib.loom_decode_layers_f32(
+            layers, len(self.model.layers), ctypes.byref(self.dims), x.data_ptr(),
+            residual.data_ptr(), tokens, meta.positions.data_ptr(), rotary.cos.data_ptr(),
+            rotary.sin.data_ptr(), meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
+            group.seq_lens.data_ptr(), group.block_tables.shape[1])
+        if rc != 0:
+            raise MemoryError("the fused decode step could not allocate its scratch memory")
+        return x, residual
+
+    def _layer_weights(self, kv_cache: torch.Tensor):
+        if self._cache_ptr != kv_cache.data_ptr():
+            self._layers = (_LayerWeights * len(self.model.layers))()
+            for i, layer in enumerate(self.model.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                bias = attn.qkv_proj.bias
+                self._layers[i] = _LayerWeights(
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    attn.qkv_proj.packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                    attn.o_proj.packed.data_ptr(), mlp.gate_up_proj.packed.data_ptr(),
+                    mlp.down_proj.packed.data_ptr(), kv_cache[i, 0].data_ptr(),
+                    kv_cache[i, 1].data_ptr())
+            self._cache_ptr = kv_cache.data_ptr()
+        return self._layers
