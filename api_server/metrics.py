@@ -28,6 +28,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
                     0.025, 0.05, 0.1)
+FORWARD_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                   0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -86,6 +88,9 @@ class Metrics:
         self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens fed to the model per step.", ITERATION_BUCKETS)
         self.step_overhead = histogram("step_overhead_seconds", "Worker idle time between steps (scheduling + IPC).", OVERHEAD_BUCKETS)
+        forward = Histogram("loom:model_forward_time_seconds", "The worker's time per step (forward pass and sampling), by steps with a prompt chunk (prefill) or of decodes only.", ["model_name", "step"], buckets=FORWARD_BUCKETS, registry=reg)
+        self.prefill_forward = forward.labels(model_name, "prefill")
+        self.decode_forward = forward.labels(model_name, "decode")
         self.time_to_first_audio = histogram("time_to_first_audio_seconds", "Speech: time to the first audio chunk.", LATENCY_BUCKETS)
         self.audio_seconds = counter("generated_audio_seconds", "Speech: seconds of audio generated.")
         self.audio_real_time_factor = histogram("audio_real_time_factor", "Speech: synthesis time / audio duration, per request.", (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0))
@@ -110,6 +115,10 @@ class Metrics:
             self.iteration_tokens.observe(tokens)
         for overhead in stats.step_overheads:
             self.step_overhead.observe(max(0.0, overhead))
+        for seconds in stats.prefill_forward_times:
+            self.prefill_forward.observe(seconds)
+        for seconds in stats.decode_forward_times:
+            self.decode_forward.observe(seconds)
         self._last = stats
 
     # ---- requests ------------------------------------------------------------------------------

@@ -122,6 +122,8 @@ def summarize_level(concurrency: int, records: list[RequestRecord], wall: float)
         "requests_s": len(ok) / wall if wall > 0 else None,
         "tokens_per_chunk": tokens / chunks if chunks else None,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
+        "itl_mean_s": sum(itl) / len(itl) if itl else None,
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
         "tpot_p50_s": percentile(tpot, 50),
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),

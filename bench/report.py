@@ -199,18 +199,28 @@ def target_lines(results: dict) -> list[str]:
             check(idle <= TARGET_OVERHEAD_MS,
                   f"c={key}: scheduling + IPC gap at the worker, median {idle:.2f} ms <= "
                   f"{TARGET_OVERHEAD_MS:.0f} ms")
-    prefill_ms = (ceiling.get("prefill_one") or {}).get("ms")
-    ttft_ms = _ms(c1.get("ttft_p50_s"))
-    if prefill_ms is not None and ttft_ms is not None:
-        check(ttft_ms - prefill_ms <= TARGET_TTFT_OVER_PREFILL_MS,
-              f"c=1: TTFT p50 {ttft_ms:.1f} ms - prefill {prefill_ms:.1f} ms = "
-              f"{ttft_ms - prefill_ms:+.1f} ms <= {TARGET_TTFT_OVER_PREFILL_MS:.0f} ms")
-    forward_ms = ceiling.get("one_token_forward_ms")
-    itl_ms = _ms(c1.get("itl_p50_s"))
-    if forward_ms and itl_ms is not None:
-        check(itl_ms / forward_ms <= TARGET_ITL_OVER_FORWARD,
-              f"c=1: ITL p50 {itl_ms:.1f} ms / one-token forward {forward_ms:.1f} ms = "
-              f"{itl_ms / forward_ms:.2f} <= {TARGET_ITL_OVER_FORWARD}")
+    # TTFT and ITL at c=1 against the model's own time twice: the ceiling's plain loop (run
+    # minutes apart, so machine noise of +-10 ms enters), and the worker's forward time for
+    # the same requests, measured by the server during the level.
+    # (medians against the ceiling's median; means against the server's mean)
+    c1_server = c1.get("server_metrics") or {}
+    for stat, prefill_ms, source in (
+            ("p50", (ceiling.get("prefill_one") or {}).get("ms"), "ceiling, median"),
+            ("mean", c1_server.get("prefill_forward_ms_mean"), "server's forward, mean")):
+        ttft_ms = _ms(c1.get(f"ttft_{stat}_s"))
+        if prefill_ms is not None and ttft_ms is not None:
+            check(ttft_ms - prefill_ms <= TARGET_TTFT_OVER_PREFILL_MS,
+                  f"c=1: TTFT {stat} {ttft_ms:.1f} ms - prefill ({source}) {prefill_ms:.1f} ms"
+                  f" = {ttft_ms - prefill_ms:+.1f} ms <= {TARGET_TTFT_OVER_PREFILL_MS:.0f} ms")
+    for stat, forward_ms, source in (
+            ("p50", ceiling.get("one_token_forward_ms"), "ceiling, median"),
+            ("mean", c1_server.get("decode_forward_ms_mean"), "server's forward, mean")):
+        itl_ms = _ms(c1.get(f"itl_{stat}_s"))
+        if forward_ms and itl_ms is not None:
+            check(itl_ms / forward_ms <= TARGET_ITL_OVER_FORWARD,
+                  f"c=1: ITL {stat} {itl_ms:.1f} ms / one-token forward ({source}) "
+                  f"{forward_ms:.1f} ms = {itl_ms / forward_ms:.2f} <= "
+                  f"{TARGET_ITL_OVER_FORWARD}")
     if server.get("startup_s") is not None:
         check(server["startup_s"] <= TARGET_STARTUP_S,
               f"start-up to a healthy /health {server['startup_s']:.1f} s <= "

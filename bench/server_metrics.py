@@ -31,6 +31,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue  # comments, and other exporters' series
         name_and_labels, _, value = line.rpartition(" ")
         name = name_and_labels.split("{", 1)[0]
+        if 'step="' in name_and_labels:  # model_forward_time_seconds: prefill and decode apart
+            name += ":" + name_and_labels.split('step="', 1)[1].split('"', 1)[0]
         if name.endswith("_bucket") and 'le="' in name_and_labels:
             name += "|" + name_and_labels.split('le="', 1)[1].split('"', 1)[0]
         try:
@@ -72,9 +74,12 @@ def level_breakdown(before: dict | None, after: dict | None, wall: float) -> dic
     def delta(name: str) -> float:
         return after.get(PREFIX + name, 0.0) - before.get(PREFIX + name, 0.0)
 
+    def mean_of(sum_name: str, count_name: str) -> float | None:
+        count = delta(count_name)
+        return delta(sum_name) / count if count else None
+
     def mean(name: str) -> float | None:
-        count = delta(f"{name}_count")
-        return delta(f"{name}_sum") / count if count else None
+        return mean_of(f"{name}_sum", f"{name}_count")
 
     steps = delta("iteration_tokens_total_count")
     if not steps:
@@ -90,6 +95,11 @@ def level_breakdown(before: dict | None, after: dict | None, wall: float) -> dic
         "worker_idle_ms_per_step": overhead_s / overhead_count * 1e3 if overhead_count else None,
         "worker_idle_ms_p50": _ms(histogram_quantile(before, after, "step_overhead_seconds", 0.5)),
         "worker_idle_share": overhead_s / wall if wall else None,
+        # The model's own time per step, measured by the worker during the level.
+        "prefill_forward_ms_mean": _ms(mean_of("model_forward_time_seconds_sum:prefill",
+                                               "model_forward_time_seconds_count:prefill")),
+        "decode_forward_ms_mean": _ms(mean_of("model_forward_time_seconds_sum:decode",
+                                              "model_forward_time_seconds_count:decode")),
         "queue_s_mean": mean("request_queue_time_seconds"),
         "prefill_s_mean": mean("request_prefill_time_seconds"),
         "decode_s_mean": mean("request_decode_time_seconds"),

@@ -94,6 +94,8 @@ class SchedulerLoop:
         self._last_finished_at: float | None = None  # worker clock, last text step, while busy
         self._iteration_tokens: list[int] = []
         self._step_overheads: list[float] = []
+        self._prefill_forward_times: list[float] = []
+        self._decode_forward_times: list[float] = []
 
     # ---- start-up ---------------------------------------------------------------------------
     def wait_for_worker(self) -> WorkerReady | None:
@@ -205,6 +207,11 @@ class SchedulerLoop:
         self._last_finished_at = result.finished_at
         self._busy["text"] += result.finished_at - result.started_at
         self._iteration_tokens.append(int(step.batch.query_lens.sum()))
+        forward = result.finished_at - result.started_at
+        if (step.batch.query_lens > 1).any():
+            self._prefill_forward_times.append(forward)
+        else:
+            self._decode_forward_times.append(forward)
         if step.follows_finished_at is not None:
             self._step_overheads.append(result.started_at - step.follows_finished_at)
         if result.error is not None:
@@ -330,6 +337,8 @@ class SchedulerLoop:
         stats = self.scheduler.stats()
         stats.iteration_tokens, self._iteration_tokens = self._iteration_tokens, []
         stats.step_overheads, self._step_overheads = self._step_overheads, []
+        stats.prefill_forward_times, self._prefill_forward_times = self._prefill_forward_times, []
+        stats.decode_forward_times, self._decode_forward_times = self._decode_forward_times, []
         if outputs or stats != self._last_stats:
             self.responses.send(self.encode(ResponseBatch(outputs=outputs, stats=stats)))
             self._last_stats = stats

@@ -44,6 +44,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # waited through (from the previous result reaching the scheduler to the step starting).
     iteration_tokens: list[int] = []
     step_overheads: list[float] = []
+    # The worker's own time for each step since the previous stats (the forward pass and
+    # sampling), steps with a prompt chunk and steps of decodes only apart.
+    prefill_forward_times: list[float] = []
+    decode_forward_times: list[float] = []
 
 
 class EmbeddingOutput(msgspec.Struct, array_like=True):
