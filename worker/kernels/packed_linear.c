@@ -46,7 +46,12 @@
 #define VLEN LOOM_VLEN
 #define NR (2 * VLEN)
 #define MR LOOM_MR
-#define MC (8 * MR)
+/* Rows per block: 96 x up to 1536 float32 features fit a 1 MiB L2 beside a panel; 96 was
+ * 3-5% faster than 48 at 64-512 rows on the EPYC here (192 and 24 were slower). */
+#ifndef LOOM_MC
+#define LOOM_MC 96
+#endif
+#define MC LOOM_MC
 
 typedef float vec __attribute__((vector_size(VLEN * 4)));
 typedef float vec_u __attribute__((vector_size(VLEN * 4), aligned(4)));
