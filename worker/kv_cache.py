@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import time
 import torch
 
 from worker import hugepages
@@ -83,10 +84,11 @@ class KVCachePrefault:
 
     The cache is mapped lazily (start-up would otherwise wait ~1 s per GiB), so a request whose
     blocks were never used paid for their page faults inside its prefill: ~4 ms for a 256-token
-    prompt of SmolLM2-135M. The worker calls `step()` whenever no step is waiting; each call
-    covers `blocks_per_call` blocks in every layer (~0.5 ms, the most a step arriving meanwhile
-    waits), lowest block ids first, the order the
-    block manager hands fresh blocks out. MADV_POPULATE_WRITE maps pages without writing them.
+    prompt of SmolLM2-135M. The worker runs it briefly before it reports ready, then calls
+    `step()` once it has been idle for a while; each call covers `blocks_per_call` blocks in
+    every layer (~0.5 ms, what a step arriving meanwhile waits), lowest block ids first, the
+    order the block manager hands fresh blocks out. MADV_POPULATE_WRITE maps pages without
+    writing them.
     (A background thread did this too, and its page-table lock made the first steps ~50% slower.)
     """
 
@@ -104,6 +106,11 @@ class KVCachePrefault:
     @property
     def done(self) -> bool:
         return self._madvise is None or self.next_block >= self.num_blocks
+
+    def run(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.done and time.monotonic() < deadline:
+            self.step()
 
     def step(self) -> None:
         first = self.next_block

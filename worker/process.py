@@ -27,6 +27,9 @@ from serialization.sockets import Endpoints, decode_or_drop, make_socket
 
 logger = logging.getLogger("loom.worker")
 
+STARTUP_PREFAULT_SECONDS = 0.3  # of KV cache page faults before the worker reports ready
+PREFAULT_AFTER_IDLE_MS = 20
+
 
 def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level: str,
                placement: CpuPlacement | None = None) -> None:
@@ -66,14 +69,19 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     ready = _ready_message(runner, runner_config.task)
     if speech is not None:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
-    results.send(encode(ready))
     from worker.kv_cache import KVCachePrefault  # (torch: imported in the worker only)
 
     prefault = KVCachePrefault(runner.kv_cache) if hasattr(runner, "kv_cache") else None
+    if prefault is not None:
+        prefault.run(STARTUP_PREFAULT_SECONDS)  # the blocks the first requests get
+    results.send(encode(ready))
 
     while True:
-        while prefault is not None and not prefault.done and not steps.poll(0):
-            prefault.step()  # idle: fault a few fresh KV blocks in
+        # Idle for a while: fault more fresh KV blocks in, one per call, until a step comes.
+        # (Not at once: a request arriving in a burst's gaps would wait for the page faults.)
+        if prefault is not None and not prefault.done and not steps.poll(PREFAULT_AFTER_IDLE_MS):
+            while not prefault.done and not steps.poll(0):
+                prefault.step()
         frame = steps.recv(copy=False)
         started = time.monotonic()
         msg = decode_or_drop(decode, frame.buffer, "steps")
