@@ -17,6 +17,7 @@ from bench.clean_runs import CleanRuns
 from bench.endpoint import http_client
 from bench.prompts import PromptSource
 from bench.server_metrics import level_breakdown, scrape
+from bench.http_stream import StreamingConnection
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import percentile
 
@@ -85,15 +86,23 @@ async def run_level(client, cfg: LoadConfig, concurrency: int, total: int,
     records: list[RequestRecord] = []
 
     async def one_client() -> None:
-        while len(records) < total and time.perf_counter() < stop_sending:
-            record = RequestRecord(cfg.prompt_len)
-            records.append(record)
-            body = completion_body(cfg.model, prompts.next(), cfg.output_len)
-            left = hard_stop - time.perf_counter()
-            try:
-                await asyncio.wait_for(stream_completion(client, cfg.base_url, body, record), left)
-            except asyncio.TimeoutError:
-                record.error = "cancelled at the level's time bound"
+        # Each simulated client streams over its own kept-alive connection, through the lean
+        # client (http_stream.py): what the load generator spends per token, the server loses.
+        conn = StreamingConnection(cfg.base_url) if cfg.base_url.startswith("http:") else client
+        try:
+            while len(records) < total and time.perf_counter() < stop_sending:
+                record = RequestRecord(cfg.prompt_len)
+                records.append(record)
+                body = completion_body(cfg.model, prompts.next(), cfg.output_len)
+                left = hard_stop - time.perf_counter()
+                try:
+                    await asyncio.wait_for(stream_completion(conn, cfg.base_url, body, record),
+                                           left)
+                except asyncio.TimeoutError:
+                    record.error = "cancelled at the level's time bound"
+        finally:
+            if conn is not client:
+                await conn.close()
 
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
     ends = [r.finished for r in records if r.finished is not None]

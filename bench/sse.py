@@ -12,6 +12,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from bench.http_stream import StreamingConnection
+
 
 @dataclass
 class RequestRecord:
@@ -65,7 +67,11 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
 
 async def stream_completion(client, base_url: str, body: dict, record: RequestRecord) -> None:
     """Send `body`, filling `record` as chunks arrive (so a cancelled request keeps what it
-    got). Errors are recorded, not raised: one failed request must not end the level."""
+    got). Errors are recorded, not raised: one failed request must not end the level.
+    `client` is an httpx.AsyncClient, or a StreamingConnection (http_stream.py), the load
+    generator's lean client."""
+    if isinstance(client, StreamingConnection):
+        return await _stream_raw(client, body, record)
     record.started = time.perf_counter()
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
@@ -74,7 +80,7 @@ async def stream_completion(client, base_url: str, body: dict, record: RequestRe
                 record.error = f"HTTP {response.status_code}: {text[:200]}"
                 return
             async for line in response.aiter_lines():
-                if _take_line(line, record):
+                if line.startswith("data:") and _take_data(line[5:].strip(), record):
                     break
         if record.error is None:
             record.finished = time.perf_counter()
@@ -82,13 +88,32 @@ async def stream_completion(client, base_url: str, body: dict, record: RequestRe
         record.error = f"{type(exc).__name__}: {exc}"
 
 
-def _take_line(line: str, record: RequestRecord) -> bool:
-    """Applies one SSE line to the record; True at the end of the stream."""
+async def _stream_raw(conn: StreamingConnection, body: dict, record: RequestRecord) -> None:
+    payload = json.dumps(body).encode()
+    record.started = time.perf_counter()
+    try:
+        events = conn.post_sse("/v1/completions", payload)
+        try:
+            async for status, data in events:
+                if data is None:
+                    continue
+                if status != 200:
+                    record.error = f"HTTP {status}: {data.decode(errors='replace')[:200]}"
+                    return
+                if _take_data(data, record):
+                    break
+        finally:
+            await events.aclose()
+        if record.error is None:
+            record.finished = time.perf_counter()
+    except Exception as exc:  # transport errors, bad JSON: this request failed, go on
+        record.error = f"{type(exc).__name__}: {exc}"
+
+
+def _take_data(data: str | bytes, record: RequestRecord) -> bool:
+    """Applies one SSE event's data to the record; True at the end of the stream."""
     now = time.perf_counter()
-    if not line.startswith("data:"):
-        return False  # blank separators, comments, event names
-    data = line[5:].strip()
-    if data == "[DONE]":
+    if data in ("[DONE]", b"[DONE]"):
         return True
     chunk = json.loads(data)
     if "error" in chunk:
