@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.decode_attention import native_decode_available, paged_decode_attention
+from worker.prefill_attention import native_prefill_available, paged_prefill_attention
 
 
 @dataclass
@@ -29,6 +30,8 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, max_q, L] bool, True where the query may attend
     single_query: bool  # every sequence has exactly one query token (decode)
     seq_lens: torch.Tensor  # [B] int32, keys each sequence attends to
+    q_lens: torch.Tensor  # [B] int32, query rows of each sequence
+    first_rows: torch.Tensor  # [B] int32, each sequence's first row of the step's tokens
     fresh: bool  # no sequence has earlier context in the cache: attend to this step's K/V
 
 
@@ -99,6 +102,8 @@ def _build_group(members, query_lens, seq_lens, first_row, tables, block_size) -
         mask=torch.from_numpy(np.ascontiguousarray(mask[:, None, :, :])),
         single_query=max_q == 1,
         seq_lens=torch.from_numpy(s_lens.astype(np.int32)),
+        q_lens=torch.from_numpy(q_lens.astype(np.int32)),
+        first_rows=torch.from_numpy(first_row[members].astype(np.int32)),
         fresh=fresh,
     )
 
@@ -123,13 +128,17 @@ def paged_attention(
     """Attention of q over the cache, which already holds this step's k and v (`store_kv`);
     k and v themselves are read only by prompts with nothing cached before them."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     for group in meta.groups:
         batch = group.block_tables.shape[0]
         if group.single_query and native_decode_available(q.dtype):
             out[group.valid_rows] = paged_decode_attention(
                 q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale,
             ).to(q.dtype)
+            continue
+        if not group.single_query and native_prefill_available(q, k_cache):
+            paged_prefill_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens,
+                                    group.q_lens, group.first_rows, out, scale)
             continue
         if group.fresh:  # prompts with nothing cached before them: no need to read the cache
             keys = k[group.query_index].transpose(1, 2)

@@ -1,0 +1,203 @@
+/* Causal attention of prompt chunks over the paged KV cache (float32), flash-attention style.
+ *
+ * PyTorch's path gathered every sequence's blocks into a padded tensor and ran SDPA with a
+ * boolean mask: it computed the masked half of every causal product too, and was 15% of a
+ * 512-token prefill step of SmolLM2-135M. Here each task is a tile of TQ query rows of one
+ * sequence, for all the query heads that share one kv head; it walks the sequence's KV blocks
+ * up to the tile's last position, in place, with an online softmax (running max and sum per
+ * row), so nothing is gathered and nothing above the diagonal is computed.
+ *
+ * The step's own K/V are already in the cache (written with the rotary embedding), so fresh
+ * prompts and later chunks of a prompt take the same path.
+ *
+ * Per key block, scores are computed key-parallel (K transposed into a [head_dim][block]
+ * scratch, one broadcast q element times a row of keys per FMA), then V is accumulated
+ * dimension-parallel: no horizontal sums in either product.
+ *
+ * Layout: q rows `q_stride` floats apart, each [heads][head_dim]; k/v cache
+ * [num_blocks, block_size, kv_heads, head_dim]; out [rows][heads][head_dim] contiguous.
+ * Sequence s owns query rows first_rows[s] .. + q_lens[s], at positions
+ * seq_lens[s] - q_lens[s] .., and its blocks are block_tables[s][..].
+ */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TQ 16        /* query rows per task */
+#define BS 16        /* keys per block: the kernel handles the default block size */
+#define MAX_DIM 256  /* largest head_dim handled (a multiple of 8) */
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#define LOAD(p) (*(const v8u *)(p))
+#define STORE(p, x) (*(v8u *)(p) = (x))
+
+int loom_prefill_attention_limits(int block_size, int head_dim) {
+    return block_size == BS && head_dim % 8 == 0 && head_dim <= MAX_DIM;
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* mask ? a : b, lane by lane (C has no vector ?:) */
+static inline v8 select_v8(v8i mask, v8 a, v8 b) {
+    return (v8)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+/* e^x for x <= 0 (Cephes' expf: 2^n times a degree-6 polynomial, ~1e-7 relative error),
+ * eight at a time: a scalar expf per score was most of the kernel's time. */
+static inline v8 exp_v8(v8 x) {
+    x = select_v8(x < -87.f, (v8){0} - 87.f, x);
+    const v8 fx = x * 1.44269504088896341f + 0.5f;
+    v8 n = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
+    n -= (v8)((v8i)(v8){1, 1, 1, 1, 1, 1, 1, 1} & (n > fx)); /* floor */
+    x = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.f;
+    const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return y * (v8)e;
+}
+
+/* One query vector against one block of BS keys (K transposed: kt[d][BS]), then its weights
+ * into the output accumulator o[D] (D/8 vectors, kept in registers when D is a constant). */
+static inline __attribute__((always_inline)) void attend_block(
+        const int D, const float *restrict qv, const float *restrict kt,
+        const float *restrict v_rows, const int64_t v_stride, const int visible,
+        float *restrict m, float *restrict l, float *restrict o) {
+    /* Four partial sums per half: one chain of dependent FMAs would wait out each one's
+     * latency (head_dim is a multiple of 8). */
+    v8 a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, e0 = {0}, e1 = {0};
+    for (int d = 0; d < D; d += 4) {
+        a0 += qv[d] * LOAD(kt + d * BS);
+        a1 += qv[d] * LOAD(kt + d * BS + 8);
+        b0 += qv[d + 1] * LOAD(kt + (d + 1) * BS);
+        b1 += qv[d + 1] * LOAD(kt + (d + 1) * BS + 8);
+        c0 += qv[d + 2] * LOAD(kt + (d + 2) * BS);
+        c1 += qv[d + 2] * LOAD(kt + (d + 2) * BS + 8);
+        e0 += qv[d + 3] * LOAD(kt + (d + 3) * BS);
+        e1 += qv[d + 3] * LOAD(kt + (d + 3) * BS + 8);
+    }
+    v8 s0 = (a0 + b0) + (c0 + e0), s1 = (a1 + b1) + (c1 + e1);
+    const v8 index0 = {0, 1, 2, 3, 4, 5, 6, 7}, index1 = index0 + 8;
+    const v8 limit = (v8){0} + (float)visible;
+    const v8i in0 = index0 < limit, in1 = index1 < limit;
+    const v8 lowest = (v8){0} - FLT_MAX;
+    s0 = select_v8(in0, s0, lowest);
+    s1 = select_v8(in1, s1, lowest);
+    const v8 top = select_v8(s0 > s1, s0, s1);
+    float block_max = top[0];
+    for (int j = 1; j < 8; j++) block_max = top[j] > block_max ? top[j] : block_max;
+    const float new_max = block_max > *m ? block_max : *m;
+    /* (no exp of -inf: -ffast-math assumes finite values) */
+    const float correction = *m == -FLT_MAX ? 0.f : expf(*m - new_max);
+    const v8 p0 = select_v8(in0, exp_v8(s0 - new_max), (v8){0});
+    const v8 p1 = select_v8(in1, exp_v8(s1 - new_max), (v8){0});
+    const v8 both = p0 + p1;
+    float sum = 0.f;
+    for (int j = 0; j < 8; j++) sum += both[j];
+    float p[BS];
+    STORE(p, p0);
+    STORE(p + 8, p1);
+    v8 acc[MAX_DIM / 8];
+    for (int c = 0; c < D / 8; c++) acc[c] = LOAD(o + 8 * c) * correction;
+    for (int j = 0; j < visible; j++) {
+        const float *vr = v_rows + j * v_stride;
+        for (int c = 0; c < D / 8; c++) acc[c] += p[j] * LOAD(vr + 8 * c);
+    }
+    for (int c = 0; c < D / 8; c++) STORE(o + 8 * c, acc[c]);
+    *l = *l * correction + sum;
+    *m = new_max;
+}
+
+static void tile(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                 const int32_t *table, int row0, int pos0, int rows, int kv_head, int group,
+                 int heads, int kv_heads, int head_dim, float scale, float *out) {
+    const int nq = rows * group; /* query vectors of this tile: (row, head in the group) */
+    const int64_t kv_row = (int64_t)kv_heads * head_dim;
+    float qs[TQ * 8 * MAX_DIM / 8]; /* up to TQ rows x 8 heads per kv head */
+    float *qbuf = nq * head_dim <= (int)(sizeof qs / sizeof *qs)
+                      ? qs : malloc(sizeof(float) * (size_t)nq * head_dim);
+    float *acc = calloc((size_t)nq * head_dim, sizeof(float));
+    float m[TQ * 16], l[TQ * 16];
+    float kt[MAX_DIM * BS]; /* the K block, transposed: [head_dim][BS] */
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < group; g++) {
+            const float *src = q + (int64_t)(row0 + r) * q_stride +
+                               (int64_t)(kv_head * group + g) * head_dim;
+            float *dst = qbuf + (int64_t)(r * group + g) * head_dim;
+            for (int d = 0; d < head_dim; d++) dst[d] = src[d] * scale;
+            m[r * group + g] = -FLT_MAX;
+            l[r * group + g] = 0.f;
+        }
+    const int last_pos = pos0 + rows - 1;
+    for (int b = 0; b * BS <= last_pos; b++) {
+        const int64_t base = (int64_t)table[b] * BS;
+        const int first_key = b * BS;
+        const int keys = last_pos - first_key + 1 < BS ? last_pos - first_key + 1 : BS;
+        for (int j = 0; j < BS; j++) {
+            const float *k = k_cache + (base + (j < keys ? j : 0)) * kv_row +
+                             (int64_t)kv_head * head_dim;
+            for (int d = 0; d < head_dim; d++) kt[d * BS + j] = k[d];
+        }
+        const float *v_rows = v_cache + base * kv_row + (int64_t)kv_head * head_dim;
+        for (int v = 0; v < nq; v++) {
+            const int pos = pos0 + v / group;
+            const int visible = pos - first_key + 1 < keys ? pos - first_key + 1 : keys;
+            if (visible <= 0) continue;
+            const float *qv = qbuf + (int64_t)v * head_dim;
+            float *o = acc + (int64_t)v * head_dim;
+            if (head_dim == 64)
+                attend_block(64, qv, kt, v_rows, kv_row, visible, &m[v], &l[v], o);
+            else if (head_dim == 128)
+                attend_block(128, qv, kt, v_rows, kv_row, visible, &m[v], &l[v], o);
+            else
+                attend_block(head_dim, qv, kt, v_rows, kv_row, visible, &m[v], &l[v], o);
+        }
+    }
+    for (int v = 0; v < nq; v++) {
+        const int r = v / group, g = v % group;
+        float *dst = out + ((int64_t)(row0 + r) * heads + kv_head * group + g) * head_dim;
+        const float inv = 1.f / l[v];
+        for (int d = 0; d < head_dim; d++) dst[d] = acc[(int64_t)v * head_dim + d] * inv;
+    }
+    if (qbuf != qs) free(qbuf);
+    free(acc);
+}
+
+void loom_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                const float *v_cache, const int32_t *block_tables,
+                                int max_blocks, const int32_t *seq_lens, const int32_t *q_lens,
+                                const int32_t *first_rows, int num_seqs, int heads,
+                                int kv_heads, int head_dim, int block_size, float scale,
+                                float *out) {
+    const int group = heads / kv_heads;
+    /* Tasks: (sequence, query tile, kv head), longest tiles (latest rows) first. */
+    int tasks = 0;
+    for (int s = 0; s < num_seqs; s++) tasks += (q_lens[s] + TQ - 1) / TQ * kv_heads;
+    int *task_seq = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
+    int *task_tile = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
+    int n = 0;
+    for (int s = 0; s < num_seqs; s++)
+        for (int t = (q_lens[s] + TQ - 1) / TQ - 1; t >= 0; t--)
+            for (int h = 0; h < kv_heads; h++) {
+                task_seq[n] = s;
+                task_tile[n++] = t * kv_heads + h;
+            }
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int i = 0; i < tasks; i++) {
+        const int s = task_seq[i], t = task_tile[i] / kv_heads, h = task_tile[i] % kv_heads;
+        const int start = seq_lens[s] - q_lens[s];
+        const int rows = q_lens[s] - t * TQ < TQ ? q_lens[s] - t * TQ : TQ;
+        tile(q, q_stride, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
+             first_rows[s] + t * TQ, start + t * TQ, rows, h, group, heads, kv_heads, head_dim,
+             scale, out);
+    }
+    free(task_seq);
+    free(task_tile);
+}
