@@ -225,6 +225,8 @@ class Launcher:
             max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
             eos = model_config.eos_token_ids
         tokenizer = TextTokenizer(cfg.model_dir, max_model_len, eos)
+        tokenizer.warm_up()
+        _import_streaming_backend()
         state = ServerState(engine, AdmissionLimits(
             max_queued_requests=cfg.max_queued_requests,
             max_queued_tokens=cfg.max_queued_tokens, step_timeout=cfg.step_timeout))
@@ -313,3 +315,9 @@ def serve(cfg: ServeConfig) -> int:
     finally:
         launcher.stop_children()
         listen_socket.close()
+
+
+def _import_streaming_backend() -> None:
+    """Starlette streams responses through anyio, which imports its asyncio backend on first
+    use: ~25 ms the first streamed response of a fresh server would wait for."""
+    import anyio._backends._asyncio  # noqa: F401

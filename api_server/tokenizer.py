@@ -31,6 +31,16 @@ class TextTokenizer:
         template = self.delegate.chat_template or ""
         self.template_takes_tools = isinstance(template, str) and "tools" in template
 
+    def warm_up(self) -> None:
+        """Compile the chat template and run the tokenizer once, so the first request does not
+        pay for it (~15 ms for the Jinja compile alone)."""
+        if self.delegate.chat_template is not None:
+            try:
+                self.render_chat([{"role": "user", "content": "Hi"}])
+            except RequestError:  # a template with other expectations: it compiled all the same
+                pass
+        self.delegate.decode(self.delegate.encode("Hi"))
+
     @property
     def eos(self) -> int:
         return self.delegate.eos_token_id
