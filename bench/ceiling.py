@@ -34,34 +34,61 @@ class CeilingConfig:
     prefill_repeats: int = 3
 
 
-def run_ceiling(cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -> dict:
-    clean = clean or CleanRuns()
-    torch.set_num_threads(os.cpu_count() or 1)
-    max_len = cfg.prompt_len + cfg.output_len
-    runner = _make_runner(cfg, max_len)
-    loop = _StepLoop(runner, cfg.block_size)
-    try:
-        _warm_up(loop, cfg, max_len)
-        prefill = clean.run("ceiling prefill",
-                            lambda: _measure_prefill_one(loop, cfg, max_len))
-        log(f"ceiling: one {cfg.prompt_len}-token prefill {prefill['ms']:.1f} ms")
-        batches = {}
-        for batch in cfg.batch_sizes:
-            batches[str(batch)] = result = clean.run(
-                f"ceiling b={batch}", lambda: _measure_batch(loop, cfg, batch, max_len))
-            log(f"ceiling: batch {batch:>3}: decode {result['decode_tok_s']:8.1f} tok/s "
-                f"({result['decode_step_ms_p50']:.1f} ms/step), chunked prefill "
-                f"{result['prefill_tok_s']:8.1f} tok/s")
-    finally:
-        del runner, loop
+class Ceiling:
+    """The model loaded once; its prefill and each batch size measured on demand, so that
+    `bench.run` can measure batch B right before the server's level at concurrency B (the
+    machine's speed drifts by 10% over minutes here; side by side, the ratio does not).
+
+    `record` is the ceiling's part of the results, filled as measurements are made.
+    """
+
+    def __init__(self, cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.clean = clean or CleanRuns()
+        self.max_len = cfg.prompt_len + cfg.output_len
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.loop = _StepLoop(_make_runner(cfg, self.max_len), cfg.block_size)
+        self.record: dict = {"threads": torch.get_num_threads(), "prefill_one": None,
+                             "one_token_forward_ms": None, "batches": {}}
+        _warm_up(self.loop, cfg, self.max_len)
+
+    def measure_prefill_one(self) -> dict:
+        cfg = self.cfg
+        self.record["prefill_one"] = prefill = self.clean.run(
+            "ceiling prefill", lambda: _measure_prefill_one(self.loop, cfg, self.max_len))
+        self.log(f"ceiling: one {cfg.prompt_len}-token prefill {prefill['ms']:.1f} ms")
+        return prefill
+
+    def measure_batch(self, batch: int) -> dict:
+        cfg = self.cfg
+        self.record["batches"][str(batch)] = result = self.clean.run(
+            f"ceiling b={batch}", lambda: _measure_batch(self.loop, cfg, batch, self.max_len))
+        if batch == 1:
+            self.record["one_token_forward_ms"] = result["decode_step_ms_p50"]
+        self.log(f"ceiling: batch {batch:>3}: decode {result['decode_tok_s']:8.1f} tok/s "
+                 f"({result['decode_step_ms_p50']:.1f} ms/step), chunked prefill "
+                 f"{result['prefill_tok_s']:8.1f} tok/s")
+        return result
+
+    def unmeasured(self) -> list[int]:
+        return [b for b in self.cfg.batch_sizes if str(b) not in self.record["batches"]]
+
+    def close(self) -> None:
+        self.loop = None
         gc.collect()
-    one = batches.get("1")
-    return {
-        "threads": torch.get_num_threads(),
-        "prefill_one": prefill,
-        "one_token_forward_ms": one["decode_step_ms_p50"] if one else None,
-        "batches": batches,
-    }
+
+
+def run_ceiling(cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -> dict:
+    """Everything at once: the prefill, then every batch size."""
+    ceiling = Ceiling(cfg, log, clean)
+    try:
+        ceiling.measure_prefill_one()
+        for batch in cfg.batch_sizes:
+            ceiling.measure_batch(batch)
+    finally:
+        ceiling.close()
+    return ceiling.record
 
 
 def _make_runner(cfg: CeilingConfig, max_len: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import httpx
 
@@ -40,10 +41,12 @@ def requests_for(cfg: LoadConfig, concurrency: int) -> int:
 
 
 async def run_load(cfg: LoadConfig, levels: dict, log=print,
-                   clean: CleanRuns | None = None, label: str = "server") -> None:
+                   clean: CleanRuns | None = None, label: str = "server",
+                   before_level: Callable[[int], None] | None = None) -> None:
     """Runs every level, adding each one's summary to `levels` (keyed by concurrency) as soon
     as it ends. A level disturbed by other processes is run again (see clean_runs.py); its
-    waiting for quiet may block the loop, which is fine: nothing else is in flight then."""
+    waiting for quiet may block the loop, which is fine: nothing else is in flight then.
+    `before_level(c)` runs (blocking) before level c: the ceiling's batch c, side by side."""
     clean = clean or CleanRuns()
     prompts = PromptSource(cfg.prompt_len)
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=None)
@@ -52,6 +55,8 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print,
         # One request first, not counted: the server's first step pays one-time costs.
         await _warm_up(client, cfg, prompts)
         for c in cfg.concurrency:
+            if before_level is not None:
+                before_level(c)
             for attempt in clean.attempts(f"{label} c={c}"):
                 attempt.result = await _measure_level(client, cfg, c, prompts)
             levels[str(c)] = summary = clean.best_result()

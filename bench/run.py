@@ -97,14 +97,22 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_ceiling_phase(args, model_dir: str, clean: CleanRuns) -> dict:
-    from bench.ceiling import CeilingConfig, run_ceiling
+def load_ceiling(args, model_dir: str, clean: CleanRuns):
+    from bench.ceiling import Ceiling, CeilingConfig
 
-    return run_ceiling(CeilingConfig(
+    return Ceiling(CeilingConfig(
         model_dir=model_dir, dtype=args.dtype, prompt_len=args.prompt_len,
-        output_len=args.output_len, batch_sizes=sorted(set(args.concurrency)),
+        output_len=args.output_len, batch_sizes=list(dict.fromkeys(args.concurrency)),
         chunk_tokens=chunk_tokens(args),
     ), log=log, clean=clean)
+
+
+def measure_remaining(ceiling) -> dict:
+    if ceiling.record["prefill_one"] is None:
+        ceiling.measure_prefill_one()
+    for batch in ceiling.unmeasured():
+        ceiling.measure_batch(batch)
+    return ceiling.record
 
 
 def run_baseline_phase(args, model_dir: str, clean: CleanRuns) -> dict:
@@ -118,12 +126,13 @@ def run_baseline_phase(args, model_dir: str, clean: CleanRuns) -> dict:
 
 
 def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
-                     clean: CleanRuns) -> dict:
+                     clean: CleanRuns, ceiling=None) -> dict:
     """Drive --url if given, else a loom we start (and always stop) ourselves. Fills `record`
-    as it goes, so an interrupted run still reports the levels it finished."""
+    as it goes, so an interrupted run still reports the levels it finished. With `ceiling`,
+    its batch B is measured right before the level at concurrency B (loom idle meanwhile)."""
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
-        drive(args, record, clean, args.model)
+        drive(args, record, clean, args.model, before_level=_ceiling_batch(ceiling))
         return record
     from bench.server import LoomServer
 
@@ -135,8 +144,28 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
         record.update(url=server.base_url, started_by_bench=True, startup_s=server.startup_s,
                       command=server.command, log=log_path)
         log(f"server: healthy after {server.startup_s:.1f} s ({' '.join(server.command)})")
-        drive(args, record, clean, args.model)
+        record["settle_s"] = settle = server.wait_quiet()
+        log(f"server: idle {settle:.1f} s later (start-up tail: voice, KV page faults)")
+
+        def before_level(c: int) -> None:
+            if ceiling is not None:
+                server.wait_quiet()
+                _ceiling_batch(ceiling)(c)
+
+        drive(args, record, clean, args.model, before_level=before_level)
     return record
+
+
+def _ceiling_batch(ceiling):
+    if ceiling is None:
+        return None
+    def measure(c: int) -> None:
+        if ceiling.record["prefill_one"] is None:  # next to the first level, too
+            ceiling.measure_prefill_one()
+        if c in ceiling.unmeasured():
+            ceiling.measure_batch(c)
+
+    return measure
 
 
 def run_peer_phase(args, record: dict, clean: CleanRuns) -> dict:
@@ -154,7 +183,8 @@ def run_peer_phase(args, record: dict, clean: CleanRuns) -> dict:
     return record
 
 
-def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = "server") -> None:
+def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = "server",
+          before_level=None) -> None:
     from bench.load import LoadConfig, run_load
 
     base_url = record["url"]
@@ -164,7 +194,8 @@ def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = 
                      requests_per_client=args.requests_per_client,
                      level_timeout=args.level_timeout)
     record["levels"] = {}
-    asyncio.run(run_load(cfg, record["levels"], log=log, clean=clean, label=label))
+    asyncio.run(run_load(cfg, record["levels"], log=log, clean=clean, label=label,
+                         before_level=before_level))
 
 
 def _sigterm_as_interrupt(signum, frame):
@@ -218,10 +249,32 @@ def _run_phases(args, results: dict, server_log: str, monitor: InterferenceMonit
     if args.peer_url:
         results["peer"] = {}
     clean = CleanRuns(monitor, retries=args.retries, wait_idle=args.wait_idle, log=log)
+    # The ceiling's model stays loaded through the server phase: each batch size is measured
+    # just before the load level it is compared with (see Ceiling).
+    ceiling = None
+
+    def load_the_ceiling() -> dict:
+        nonlocal ceiling
+        ceiling = load_ceiling(args, model_dir, clean)
+        if args.skip_server:
+            measure_remaining(ceiling)
+            ceiling.close()
+        return ceiling.record
+
+    def server() -> dict:
+        try:
+            return run_server_phase(args, model_dir, server_log, results["server"], clean,
+                                    ceiling)
+        finally:
+            if ceiling is not None and ceiling.loop is not None:
+                # what a failed server left unmeasured; then the model's memory is freed
+                monitor.mark("ceiling")
+                _run_phase(results, "ceiling", lambda: measure_remaining(ceiling))
+                ceiling.close()
+
     phases = [
-        ("ceiling", args.skip_ceiling, lambda: run_ceiling_phase(args, model_dir, clean)),
-        ("server", args.skip_server,
-         lambda: run_server_phase(args, model_dir, server_log, results["server"], clean)),
+        ("ceiling", args.skip_ceiling, load_the_ceiling),
+        ("server", args.skip_server, server),
         ("peer", not args.peer_url, lambda: run_peer_phase(args, results["peer"], clean)),
         ("baseline", args.skip_baseline, lambda: run_baseline_phase(args, model_dir, clean)),
     ]

@@ -15,6 +15,7 @@ import sys
 import time
 
 from bench.endpoint import wait_healthy
+from bench.interference import TICKS, _ours, _read_procs
 
 
 def free_port() -> int:
@@ -70,6 +71,28 @@ class LoomServer:
         healthy_at = wait_healthy(self.base_url, self.startup_timeout,
                                   alive=lambda: self.process.poll() is None)
         self.startup_s = healthy_at - started
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by loom and its children (scheduler, worker)."""
+        procs = _read_procs()
+        roots = {self.process.pid}
+        return sum(ticks for pid, (_, ticks) in procs.items() if _ours(pid, procs, roots)) / TICKS
+
+    def wait_quiet(self, timeout: float = 60.0, window: float = 0.5,
+                   max_cores: float = 0.05) -> float:
+        """Wait until loom has been idle for a `window` (its start-up tail: the voice loading
+        in the background, the worker faulting KV pages in while idle); seconds waited.
+        What loom does at start-up is not what a load level or the ceiling should share
+        the CPUs with."""
+        started = time.monotonic()
+        before = self.cpu_seconds()
+        while time.monotonic() - started < timeout:
+            time.sleep(window)
+            now = self.cpu_seconds()
+            if now - before <= max_cores * window:
+                break
+            before = now
+        return time.monotonic() - started
 
     def stop(self) -> int | None:
         proc = self.process
