@@ -14,7 +14,7 @@ import torch
 
 from worker.models.bert import BertEncoder
 from worker.models.bert_config import BertConfig
-from worker.weights import load_checkpoint_weights
+from worker.weights import load_checkpoint_weights, materialize_on_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class EmbeddingRunner:
         self.config = BertConfig.from_dir(model_dir)
         with torch.device("meta"):
             model = BertEncoder(self.config)
-        model.to_empty(device="cpu")
+        materialize_on_cpu(model)
         model.load_hf_weights(load_checkpoint_weights(model_dir))
         self.model = model.to(DTYPES[dtype]).eval()
         self.dim = self.config.hidden_size

@@ -20,7 +20,7 @@ from worker.models.llama import LlamaForCausalLM
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.sampler import RequestSamplingState, sample
 from worker.structured_output import GrammarCompiler
-from worker.weights import load_checkpoint_weights
+from worker.weights import load_checkpoint_weights, materialize_on_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +150,7 @@ def _build_model(
     # Built on the meta device so no time is spent initialising weights we overwrite.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model.to_empty(device="cpu")
-    model.rotary = type(model.rotary)(config, max_positions)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    materialize_on_cpu(model)  # (the rotary tables were computed on the CPU already)
     model.load_hf_weights(load_checkpoint_weights(model_dir))
     model.to(dtype)
     if packing_pays_off(dtype):

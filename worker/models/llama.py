@@ -50,9 +50,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        # Computed on the CPU even while the model is built on the meta device: there arange
+        # goes through torch._refs, whose first use imports torch._dynamo (~2 s of start-up).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (config.rope_theta ** (
+            torch.arange(0, dim, 2, dtype=torch.float32, device=cpu) / dim))
         inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -173,7 +177,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, the embedding skips its random init (normal_, which on the meta
+        # device would import torch._dynamo too).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
