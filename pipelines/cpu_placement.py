@@ -12,7 +12,10 @@ takes over (the GEMM kernel hands out work dynamically).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -49,8 +52,49 @@ class CpuPlacement:
         os.environ["OMP_PROC_BIND"] = "close"
 
     def enter_service(self) -> None:
-        """In the API or scheduler process (after the worker has been started)."""
+        """In the API or scheduler process (after the worker has been started), before it
+        starts threads (they inherit both settings)."""
         os.sched_setaffinity(0, self.service)
+        shorten_time_slice()
+
+
+# What the API and scheduler ask for: they run ~0.1-0.5 ms per wake-up.
+SERVICE_SLICE_NS = 100_000
+
+
+class _SchedAttr(ctypes.Structure):
+    """struct sched_attr (SCHED_ATTR_SIZE_VER0) of sched_setattr(2)."""
+
+    _fields_ = [("size", ctypes.c_uint32), ("sched_policy", ctypes.c_uint32),
+                ("sched_flags", ctypes.c_uint64), ("sched_nice", ctypes.c_int32),
+                ("sched_priority", ctypes.c_uint32), ("sched_runtime", ctypes.c_uint64),
+                ("sched_deadline", ctypes.c_uint64), ("sched_period", ctypes.c_uint64)]
+
+
+_SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+
+
+def shorten_time_slice(slice_ns: int = SERVICE_SLICE_NS) -> bool:
+    """Ask Linux's EEVDF scheduler for a short time slice for this thread (and the threads it
+    starts later); False where that is not possible.
+
+    With the worker's threads on every core, each wake-up of the API, the scheduler or a
+    ZeroMQ I/O thread has to take a core from one of them, and EEVDF lets a running thread
+    finish its slice (~1.4 ms here) before a woken thread of the same slice gets the core; one
+    with a shorter slice gets it at once (Linux 6.12+). Measured side by side at c=1: TTFT
+    minus the worker's prefill forward, median 6.0-6.4 -> 4.7-4.9 ms; tokens/s at c=16 and 32
+    unchanged within noise. The nice value, and so the CPU share, stay as they are.
+    """
+    number = _SYS_SCHED_SETATTR.get(platform.machine())
+    if number is None or not sys.platform.startswith("linux"):
+        return False
+    attr = _SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=0,  # SCHED_OTHER
+                      sched_nice=os.getpriority(os.PRIO_PROCESS, 0), sched_runtime=slice_ns)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(number, 0, ctypes.byref(attr), 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 @contextmanager
@@ -66,3 +110,15 @@ def worker_threads():
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+@contextmanager
+def short_time_slice():
+    """Threads started inside get the short slice; the calling thread keeps its own."""
+    if not shorten_time_slice():
+        yield
+        return
+    try:
+        yield
+    finally:
+        shorten_time_slice(0)  # 0: the default slice again

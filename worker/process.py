@@ -9,7 +9,7 @@ import traceback
 
 import zmq
 
-from pipelines.cpu_placement import CpuPlacement, worker_threads
+from pipelines.cpu_placement import CpuPlacement, short_time_slice, worker_threads
 from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
@@ -45,7 +45,7 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     from worker.decode_attention import set_kernel_threads
 
     set_kernel_threads(num_threads)
-    with worker_threads():  # ZeroMQ starts its I/O thread with the first socket
+    with worker_threads(), short_time_slice():  # ZeroMQ starts its I/O thread with the first socket
         zctx = zmq.Context()
         steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False)
         results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)
