@@ -205,9 +205,9 @@ class SchedulerLoop:
             return
         self.inflight.popleft()
         self._last_finished_at = result.finished_at
-        self._busy["text"] += result.finished_at - result.started_at
-        self._iteration_tokens.append(int(step.batch.query_lens.sum()))
         forward = result.finished_at - result.started_at
+        self._busy["text"] += forward
+        self._iteration_tokens.append(int(step.batch.query_lens.sum()))
         if (step.batch.query_lens > 1).any():
             self._prefill_forward_times.append(forward)
         else:

@@ -77,7 +77,8 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     results.send(encode(ready))
 
     while True:
-        # Idle for a while: fault more fresh KV blocks in, one per call, until a step comes.
+        # Idle for a while: fault more fresh KV blocks in, a short call at a time, until a step
+        # comes.
         # (Not at once: a request arriving in a burst's gaps would wait for the page faults.)
         if prefault is not None and not prefault.done and not steps.poll(PREFAULT_AFTER_IDLE_MS):
             while not prefault.done and not steps.poll(0):

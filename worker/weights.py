@@ -26,6 +26,12 @@ def load_checkpoint_weights(model_dir: str) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
 
 
+def empty_embedding(num: int, dim: int) -> torch.nn.Embedding:
+    """An embedding without its random init: built on the meta device, that init (normal_)
+    goes through torch._refs, whose first use imports torch._dynamo (~2 s of start-up)."""
+    return torch.nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def materialize_on_cpu(model: torch.nn.Module) -> None:
     """Give the meta-device parameters uninitialised CPU memory, keeping tied ones tied.
     (`Module.to_empty` does this through torch._refs, whose first use imports sympy: ~0.6 s.)"""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.models.bert_config import BertConfig
+from worker.weights import empty_embedding
 
 
 class BertLayer(nn.Module):
@@ -43,11 +44,9 @@ class BertEncoder(nn.Module):
         if c.hidden_act != "gelu":
             raise ValueError(f"unsupported activation {c.hidden_act!r}")
         self.config = c
-        # Given their weights, the embeddings skip their random init (normal_, which on the meta
-        # device imports torch._dynamo: ~2 s of start-up).
-        self.word = _embedding(c.vocab_size, c.hidden_size)
-        self.position = _embedding(c.max_position_embeddings, c.hidden_size)
-        self.token_type = _embedding(c.type_vocab_size, c.hidden_size)
+        self.word = empty_embedding(c.vocab_size, c.hidden_size)
+        self.position = empty_embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type = empty_embedding(c.type_vocab_size, c.hidden_size)
         self.embed_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.layers = nn.ModuleList(BertLayer(c) for _ in range(c.num_hidden_layers))
 
@@ -97,7 +96,3 @@ class BertEncoder(nn.Module):
                     layer.intermediate.__getattr__(part).copy_(take(f"{p}intermediate.dense.{part}"))
                     layer.output.__getattr__(part).copy_(take(f"{p}output.dense.{part}"))
                     layer.out_norm.__getattr__(part).copy_(take(f"{p}output.LayerNorm.{part}"))
-
-
-def _embedding(num: int, dim: int) -> nn.Embedding:
-    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))

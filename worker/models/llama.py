@@ -18,6 +18,7 @@ from torch import nn
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, store_kv
 from worker.model_config import ModelConfig
+from worker.weights import empty_embedding
 
 
 class RMSNorm(nn.Module):
@@ -177,11 +178,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        # Given its weight, the embedding skips its random init (normal_, which on the meta
-        # device would import torch._dynamo too).
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
