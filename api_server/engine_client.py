@@ -40,6 +40,10 @@ class GenerationFailed(RuntimeError):
     """The worker could not run a step for this request."""
 
 
+# Put into a request's output queue when its --request-timeout passes.
+_DEADLINE_PASSED = object()
+
+
 class RequestTimeoutError(RuntimeError):
     """A request ran past --request-timeout; it has been aborted in the scheduler."""
 
@@ -215,7 +219,7 @@ class EngineClient:
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue[TextGenerationOutput] = asyncio.Queue()
+        queue: asyncio.Queue[TextGenerationOutput | object] = asyncio.Queue()
         if not self.streams:
             self.busy_since = time.monotonic()
         self.streams[ctx.request_id] = queue
@@ -226,20 +230,19 @@ class EngineClient:
         finished = False
         clock = RequestClock()
         generated = 0
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # The deadline arrives through the queue, not as asyncio.wait_for around each get:
+        # Python 3.11's wait_for swallows a cancellation (client gone) that lands while an
+        # output is arriving, and the request would then run to its end.
+        deadline = None if timeout is None else asyncio.get_running_loop().call_later(
+            timeout, queue.put_nowait, _DEADLINE_PASSED)
         try:
             await self.requests.send(self.encode(ctx), copy=False)
             while True:
-                if deadline is None:
-                    output = await queue.get()
-                else:
-                    try:
-                        output = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
-                    except asyncio.TimeoutError:
-                        self._ended_early[ctx.request_id] = "error"
-                        raise RequestTimeoutError(
-                            f"the request exceeded the server's {timeout:g}s time limit"
-                        ) from None
+                output = await queue.get()
+                if output is _DEADLINE_PASSED:
+                    self._ended_early[ctx.request_id] = "error"
+                    raise RequestTimeoutError(
+                        f"the request exceeded the server's {timeout:g}s time limit")
                 self._dequeue(ctx.request_id)
                 generated += len(output.tokens)
                 if self.metrics is not None:
@@ -252,6 +255,8 @@ class EngineClient:
                 if finished:
                     return
         finally:
+            if deadline is not None:
+                deadline.cancel()
             del self.streams[ctx.request_id]
             self._dequeue(ctx.request_id)
             if not finished:

@@ -179,8 +179,22 @@ def aborted_requests(url) -> float:
 def test_non_streamed_client_gone_aborts(server):
     aborted_before = aborted_requests(server.url)
     body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + COMP, json=body, timeout=0.5)
+
+    async def post_then_leave():
+        async with httpx.AsyncClient(timeout=30) as client:
+            post = asyncio.create_task(client.post(server.url + COMP, json=body))
+            # Leave only once the request runs in the engine: a client gone before the handler
+            # reads its request never reaches the engine, so there is nothing to abort.
+            deadline = time.monotonic() + 10
+            while metric(server.url, "loom:num_requests_running") < 1:
+                assert not post.done(), "the request ended before the client left"
+                assert time.monotonic() < deadline, "the request never started"
+                await asyncio.sleep(0.02)
+            post.cancel()  # the connection closes mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    asyncio.run(post_then_leave())
     # The abort travels API -> scheduler -> metrics; on a busy machine that can take over 1 s.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
