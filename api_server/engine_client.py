@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import numpy as np
@@ -44,6 +45,16 @@ class GenerationFailed(RuntimeError):
 _DEADLINE_PASSED = object()
 
 
+@dataclass
+class _OpenRequest:
+    """A text request sent (or about to be) to the scheduler and not yet finished."""
+
+    queue: asyncio.Queue
+    clock: RequestClock
+    timeout: float | None
+    deadline: asyncio.TimerHandle | None
+
+
 class RequestTimeoutError(RuntimeError):
     """A request ran past --request-timeout; it has been aborted in the scheduler."""
 
@@ -64,6 +75,7 @@ class EngineClient:
         self.closed = False
         self.metrics = metrics
         self._ended_early: dict[str, str] = {}
+        self._submitted: dict[str, _OpenRequest] = {}  # sent, nobody reads their outputs yet
         self._embed_waiters: dict[str, asyncio.Future] = {}
         self.audio_streams: dict[str, asyncio.Queue] = {}
         # Admission bookkeeping: requests admitted or sent that have produced nothing yet.
@@ -210,39 +222,55 @@ class EngineClient:
             self.queued_tokens -= reserved_tokens
             if pending and not self.closed and self.dead_reason is None:
                 self.cancel(pending)
+    async def submit(self, ctx: TextContext, timeout: float | None = None) -> None:
+        """Send a context now; `generate(ctx)` yields its outputs later.
+
+        The streaming routes submit before the response headers go out, so the prompt is being
+        scheduled and prefilled while they are written. A submitted request whose outputs are
+        never read must be `withdraw`n, else it runs to its end.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._submitted[ctx.request_id] = self._open(ctx, timeout)
+        try:
+            await self.requests.send(self.encode(ctx), copy=False)
+        except BaseException:
+            self.withdraw([ctx.request_id])
+            raise
+
+    def withdraw(self, request_ids: list[str]) -> None:
+        """Cancel submitted requests whose outputs nobody started to read (the client left
+        before the response body began); requests being read are left to their readers."""
+        for request_id in request_ids:
+            opened = self._submitted.pop(request_id, None)
+            if opened is not None:
+                self._close(request_id, opened, finished=False)
+
     async def generate(self, ctx: TextContext, timeout: float | None = None,
                        ) -> AsyncIterator[TextGenerationOutput]:
-        """Send a context and yield its outputs until it finishes.
+        """Send a context (unless it was submitted) and yield its outputs until it finishes.
 
         If the consumer stops early (client gone, stop string) or `timeout` seconds pass, the
         request is cancelled in the scheduler so its KV blocks are freed at once.
         """
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue[TextGenerationOutput | object] = asyncio.Queue()
-        if not self.streams:
-            self.busy_since = time.monotonic()
-        self.streams[ctx.request_id] = queue
-        reserved = self._reserved.pop(ctx.request_id, None)
-        if reserved is None:
-            self.queued_tokens += ctx.prompt_length
-        self._queued[ctx.request_id] = ctx.prompt_length
+        opened = self._submitted.pop(ctx.request_id, None)
+        must_send = opened is None
+        if must_send:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            opened = self._open(ctx, timeout)
+        queue, clock = opened.queue, opened.clock
         finished = False
-        clock = RequestClock()
         generated = 0
-        # The deadline arrives through the queue, not as asyncio.wait_for around each get:
-        # Python 3.11's wait_for swallows a cancellation (client gone) that lands while an
-        # output is arriving, and the request would then run to its end.
-        deadline = None if timeout is None else asyncio.get_running_loop().call_later(
-            timeout, queue.put_nowait, _DEADLINE_PASSED)
         try:
-            await self.requests.send(self.encode(ctx), copy=False)
+            if must_send:
+                await self.requests.send(self.encode(ctx), copy=False)
             while True:
                 output = await queue.get()
                 if output is _DEADLINE_PASSED:
                     self._ended_early[ctx.request_id] = "error"
                     raise RequestTimeoutError(
-                        f"the request exceeded the server's {timeout:g}s time limit")
+                        f"the request exceeded the server's {opened.timeout:g}s time limit")
                 self._dequeue(ctx.request_id)
                 generated += len(output.tokens)
                 if self.metrics is not None:
@@ -255,16 +283,37 @@ class EngineClient:
                 if finished:
                     return
         finally:
-            if deadline is not None:
-                deadline.cancel()
-            del self.streams[ctx.request_id]
-            self._dequeue(ctx.request_id)
-            if not finished:
-                reason = self._ended_early.pop(ctx.request_id, "abort")
-                if self.metrics is not None:
-                    self.metrics.observe_early_end(clock, reason)
-                if self.dead_reason is None:
-                    self.cancel([ctx.request_id])
+            self._close(ctx.request_id, opened, finished)
+
+    def _open(self, ctx: TextContext, timeout: float | None) -> _OpenRequest:
+        """Start the bookkeeping of a request about to be sent: its output queue, its clock,
+        its deadline."""
+        queue: asyncio.Queue[TextGenerationOutput | object] = asyncio.Queue()
+        if not self.streams:
+            self.busy_since = time.monotonic()
+        self.streams[ctx.request_id] = queue
+        reserved = self._reserved.pop(ctx.request_id, None)
+        if reserved is None:
+            self.queued_tokens += ctx.prompt_length
+        self._queued[ctx.request_id] = ctx.prompt_length
+        # The deadline arrives through the queue, not as asyncio.wait_for around each get:
+        # Python 3.11's wait_for swallows a cancellation (client gone) that lands while an
+        # output is arriving, and the request would then run to its end.
+        deadline = None if timeout is None else asyncio.get_running_loop().call_later(
+            timeout, queue.put_nowait, _DEADLINE_PASSED)
+        return _OpenRequest(queue, RequestClock(), timeout, deadline)
+
+    def _close(self, request_id: str, opened: _OpenRequest, finished: bool) -> None:
+        if opened.deadline is not None:
+            opened.deadline.cancel()
+        del self.streams[request_id]
+        self._dequeue(request_id)
+        if not finished:
+            reason = self._ended_early.pop(request_id, "abort")
+            if self.metrics is not None:
+                self.metrics.observe_early_end(opened.clock, reason)
+            if self.dead_reason is None:
+                self.cancel([request_id])
 
     def end_early(self, request_id: str, reason: str) -> None:
         """The consumer is about to stop reading (e.g. a stop string matched): for metrics,

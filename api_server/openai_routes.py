@@ -11,9 +11,10 @@ from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from api_server.engine_client import EngineClient, EngineDeadError, RequestTimeoutError
+from api_server.engine_stream_response import EngineStreamResponse
 from api_server.generation import (
     ChoiceDelta,
     GenerationError,
@@ -42,6 +43,7 @@ from api_server.tool_calls import (
     forced_call_schema,
     tools_system_prompt,
 )
+from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
 
@@ -211,7 +213,8 @@ class OpenAIRoutes:
         choices = [_CompletionChoice(self, ctx, req) for ctx in contexts]
         response_id = f"cmpl-{request_id}"
         if req.stream:
-            return self._sse(self._completion_chunks(response_id, streams, choices, req), request)
+            return await self._sse(self._completion_chunks(response_id, streams, choices, req),
+                                   contexts[::n])
         return await self._collect(request, self._completion_body(response_id, streams, choices, n))
 
     async def _completion_chunks(self, response_id, streams, choices, req: CompletionRequest):
@@ -297,7 +300,8 @@ class OpenAIRoutes:
         parsers = [_tool_parser(tool_mode) for _ in contexts]
         response_id = f"chatcmpl-{request_id}"
         if req.stream:
-            return self._sse(self._chat_chunks(response_id, streams, req, parsers), request)
+            return await self._sse(self._chat_chunks(response_id, streams, req, parsers),
+                                   contexts[::req.n])
         return await self._collect(request, self._chat_body(response_id, streams, req, parsers))
 
     def _chat_logprobs(self, d: ChoiceDelta, req: ChatCompletionRequest) -> list[dict] | None:
@@ -385,7 +389,10 @@ class OpenAIRoutes:
                 "model": self.model_name, "choices": choices, "usage": usage.body()}
 
     # ---- transport --------------------------------------------------------------------------
-    def _sse(self, chunks: AsyncIterator[dict], request: Request) -> StreamingResponse:
+    async def _sse(self, chunks: AsyncIterator[dict], first: list[TextContext]) -> Response:
+        """Stream `chunks` as server-sent events. The `first` choice of each prompt (the ones
+        that start at once) is submitted to the engine before the headers are written."""
+
         async def events():
             try:
                 async for chunk in chunks:
@@ -398,8 +405,18 @@ class OpenAIRoutes:
                 await chunks.aclose()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        submitted = []
+        try:
+            for ctx in first:
+                await self.engine.submit(ctx, self.request_timeout)
+                submitted.append(ctx.request_id)
+        except EngineDeadError as exc:
+            self.engine.withdraw(submitted)
+            return json_response(_server_error(str(exc)), status=503)
+        except BaseException:
+            self.engine.withdraw(submitted)
+            raise
+        return EngineStreamResponse(events(), self.engine, submitted)
 
     async def _collect(self, request: Request, body_coro) -> Response:
         """Run a non-streamed generation, abandoning it if the client goes away."""
