@@ -222,6 +222,7 @@ class EngineClient:
             self.queued_tokens -= reserved_tokens
             if pending and not self.closed and self.dead_reason is None:
                 self.cancel(pending)
+
     async def submit(self, ctx: TextContext, timeout: float | None = None) -> None:
         """Send a context now; `generate(ctx)` yields its outputs later.
 
@@ -253,18 +254,13 @@ class EngineClient:
         If the consumer stops early (client gone, stop string) or `timeout` seconds pass, the
         request is cancelled in the scheduler so its KV blocks are freed at once.
         """
-        opened = self._submitted.pop(ctx.request_id, None)
-        must_send = opened is None
-        if must_send:
-            if self.dead_reason is not None:
-                raise EngineDeadError(self.dead_reason)
-            opened = self._open(ctx, timeout)
+        if ctx.request_id not in self._submitted:
+            await self.submit(ctx, timeout)
+        opened = self._submitted.pop(ctx.request_id)
         queue, clock = opened.queue, opened.clock
         finished = False
         generated = 0
         try:
-            if must_send:
-                await self.requests.send(self.encode(ctx), copy=False)
             while True:
                 output = await queue.get()
                 if output is _DEADLINE_PASSED:

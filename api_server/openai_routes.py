@@ -410,11 +410,10 @@ class OpenAIRoutes:
             for ctx in first:
                 await self.engine.submit(ctx, self.request_timeout)
                 submitted.append(ctx.request_id)
-        except EngineDeadError as exc:
+        except BaseException as exc:
             self.engine.withdraw(submitted)
-            return json_response(_server_error(str(exc)), status=503)
-        except BaseException:
-            self.engine.withdraw(submitted)
+            if isinstance(exc, EngineDeadError):
+                return json_response(_server_error(str(exc)), status=503)
             raise
         return EngineStreamResponse(events(), self.engine, submitted)
 

@@ -21,7 +21,7 @@ from bench.server_metrics import level_breakdown, scrape
 from bench.http_stream import StreamingConnection
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import percentile
-from pipelines.cpu_placement import shorten_time_slice
+from pipelines.cpu_placement import short_time_slice
 
 
 @dataclass
@@ -115,12 +115,8 @@ async def run_level(client, cfg: LoadConfig, concurrency: int, total: int,
     # wake-ups take a core at once instead of after a model thread's slice: what it measures
     # is the server's latency, not its own wait for a core (c=1, same server: time from the
     # end of the prefill forward to the first chunk at the client, median 1.8-3.6 -> 1.4 ms).
-    sliced = shorten_time_slice()
-    try:
+    with short_time_slice():
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
-    finally:
-        if sliced:
-            shorten_time_slice(0)  # the default slice again
     ends = [r.finished for r in records if r.finished is not None]
     wall = (max(ends) if ends else time.perf_counter()) - started
     return records, wall

@@ -114,7 +114,8 @@ def worker_threads():
 
 @contextmanager
 def short_time_slice():
-    """Threads started inside get the short slice; the calling thread keeps its own."""
+    """The calling thread, and the threads it starts inside, run with the short slice; on
+    leaving, the calling thread has the default slice again (its threads keep theirs)."""
     if not shorten_time_slice():
         yield
         return
