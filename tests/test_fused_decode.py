@@ -13,11 +13,14 @@ from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: a qkv bias
+# qwen2: a qkv bias; bfloat16: bf16 weights and cache, float32 activations
+@pytest.fixture(scope="module", params=[("llama", "float32"), ("qwen2", "float32"),
+                                        ("llama", "bfloat16")])
 def runner(request, smollm2_dir, tmp_path_factory):
-    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), smollm2_dir,
-                                architecture=request.param, seed=3)
-    runner = ModelRunner(RunnerConfig(path, block_size=4, kv_cache_memory=8 << 20))
+    arch, dtype = request.param
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(arch)), smollm2_dir,
+                                architecture=arch, seed=3)
+    runner = ModelRunner(RunnerConfig(path, dtype=dtype, block_size=4, kv_cache_memory=8 << 20))
     if runner.model.fused_decode is None:
         pytest.skip("no native kernels here")
     return runner

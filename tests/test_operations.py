@@ -86,22 +86,28 @@ def test_kill_9_under_load_fails_fast_and_exits_nonzero(tiny_model_dir, victim):
 
 def test_sigterm_drains_in_flight_then_exits_zero(tiny_model_dir):
     srv = start_server(tiny_model_dir, "--shutdown-timeout", "60")
-    body = {"prompt": "hello", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    # As long as the tiny model's context allows: the streams must outlast the checks below
+    # (600 tokens took under 0.8 s here).
+    body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:
             streams = [asyncio.create_task(stream_until_end(client, srv.url, body))
                        for _ in range(3)]
-            await asyncio.sleep(0.5)
-            srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
+            srv.proc.send_signal(signal.SIGTERM)
+            health = 200
+            for _ in range(100):  # the signal is handled: /health says draining
+                health = (await client.get(srv.url + "/health")).status_code
+                if health == 503:
+                    break
+                await asyncio.sleep(0.01)
             fresh = (await client.post(srv.url + COMP, json={"prompt": "x", "max_tokens": 2}))
-            health = (await client.get(srv.url + "/health")).status_code
             return fresh, health, await asyncio.gather(*streams)
 
     fresh, health, results = asyncio.run(scenario())
-    assert fresh.status_code == 503 and "retry-after" in fresh.headers
     assert health == 503
+    assert fresh.status_code == 503 and "retry-after" in fresh.headers
     assert results == ["done"] * 3
     assert srv.proc.wait(timeout=30) == 0
     assert wait_gone(srv.children)

@@ -28,12 +28,13 @@ def test_other_block_sizes_take_the_pytorch_path():
     assert not native_prefill_available(torch.zeros(2, 9, 64), torch.zeros(8, 4, 3, 64))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16])
-def test_native_kernel_matches_sdpa(block_size):
+def test_native_kernel_matches_sdpa(block_size, cache_dtype):
     torch.manual_seed(block_size)
     heads, kv_heads, dim, num_blocks = 9, 3, 64, 400
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
     # A fresh prompt, a later chunk of a long one, a one-row chunk, a chunk crossing blocks.
     seq_lens = torch.tensor([37, 300, 90, 17], dtype=torch.int32)
     q_lens = torch.tensor([37, 50, 1, 16], dtype=torch.int32)
@@ -47,7 +48,9 @@ def test_native_kernel_matches_sdpa(block_size):
     out = torch.full((rows, heads, dim), float("nan"))
     paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, q_lens, first_rows, out,
                             dim ** -0.5)
-    want = reference(q, k_cache, v_cache, tables, seq_lens, q_lens, first_rows, dim ** -0.5)
+    # (a bfloat16 cache is read widened: the reference attends to the same values in float32)
+    want = reference(q, k_cache.float(), v_cache.float(), tables, seq_lens, q_lens, first_rows,
+                     dim ** -0.5)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 

@@ -112,8 +112,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Writes the step's new K/V ([T, KVH, D]) into their cache slots."""
     _, _, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -131,7 +131,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype)
     for group in meta.groups:
         batch = group.block_tables.shape[0]
-        if group.single_query and native_decode_available(q.dtype):
+        if group.single_query and native_decode_available(k_cache.dtype):
             out[group.valid_rows] = paged_decode_attention(
                 q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale,
             ).to(q.dtype)
@@ -147,6 +147,8 @@ def paged_attention(
             index = group.block_tables.long()
             keys = k_cache[index].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
             values = v_cache[index].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+            # (a bfloat16 cache under float32 activations: SDPA wants one dtype)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if group.single_query:
             queries = q[group.valid_rows].unsqueeze(2)  # [B, H, 1, D]
         else:

@@ -22,8 +22,8 @@ if _lib is not None:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
 
 
-def native_decode_available(dtype: torch.dtype) -> bool:
-    return dtype in _FUNCS
+def native_decode_available(cache_dtype: torch.dtype) -> bool:
+    return cache_dtype in _FUNCS
 
 
 def set_kernel_threads(n: int) -> None:
@@ -32,7 +32,7 @@ def set_kernel_threads(n: int) -> None:
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [B, H, D], contiguous, cache dtype
+    q: torch.Tensor,  # [B, H, D] (read as float32)
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32, contiguous
@@ -41,8 +41,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    q = q.to(torch.float32).contiguous()
     out = torch.empty((batch, heads, head_dim), dtype=torch.float32)
-    _FUNCS[q.dtype](
+    _FUNCS[k_cache.dtype](
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
         block_tables.shape[1], scale,

@@ -1,5 +1,6 @@
-"""FusedDecode: all decoder layers of a float32 model, for a step of one-token sequences, in
-one native call (`worker/kernels/decoder.c` says why).
+"""FusedDecode: all decoder layers of a model computing in float32 (float32 weights, or packed
+bfloat16 weights with a bfloat16 KV cache), for a step of one-token sequences, in one native
+call (`worker/kernels/decoder.c` says why).
 
 Used by LlamaForCausalLM when every linear layer is packed, the model has no q/k norms, and
 the step has no prefill chunk; everything else takes the Python path, which computes the same.
@@ -31,15 +32,16 @@ class _ModelDims(ctypes.Structure):
 
 _lib = load_kernel("decoder")
 if _lib is not None:
-    _lib.loom_decode_layers_f32.restype = ctypes.c_int
-    _lib.loom_decode_layers_f32.argtypes = [
-        ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), _P, _P,
-        ctypes.c_int, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+    _lib.loom_decode_layers.restype = ctypes.c_int
+    _lib.loom_decode_layers.argtypes = [
+        ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), ctypes.c_int,
+        _P, _P, ctypes.c_int, _P, _P, _P, _P, _P, _P, ctypes.c_int]
 
 
 class FusedDecode:
-    def __init__(self, model) -> None:
+    def __init__(self, model, weight_dtype: torch.dtype) -> None:
         self.model = model
+        self.weight_dtype = weight_dtype
         cfg = model.config
         attn = model.layers[0].self_attn
         self.dims = _ModelDims(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -50,8 +52,9 @@ class FusedDecode:
     @classmethod
     def for_model(cls, model) -> "FusedDecode | None":
         """None where the native path does not apply (the Python path is used)."""
-        if _lib is None or model.embed_tokens.weight.dtype != torch.float32:
+        if _lib is None or model.compute_dtype != torch.float32:
             return None
+        weight_dtypes = set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -59,7 +62,10 @@ class FusedDecode:
                 return None
             if any(m.bias is not None for m in linears[1:]):
                 return None
-        return cls(model)
+            weight_dtypes.update(m.dtype for m in linears)
+        if len(weight_dtypes) != 1 or not weight_dtypes <= {torch.float32, torch.bfloat16}:
+            return None
+        return cls(model, weight_dtypes.pop())
 
     @staticmethod
     def applies(meta: AttentionMetadata) -> bool:
@@ -69,14 +75,18 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the step's embeddings [T, hidden] (overwritten). Returns (hidden, residual)."""
+        if kv_cache.dtype != self.weight_dtype:  # the kernel takes one dtype for both
+            raise TypeError(f"fused decode: {self.weight_dtype} weights with a "
+                            f"{kv_cache.dtype} KV cache")
         layers = self._layer_weights(kv_cache)
         self.dims.block_size = kv_cache.shape[3]
         group = meta.groups[0]
         tokens = x.shape[0]
         residual = torch.empty_like(x)
         rotary = self.model.rotary
-        rc = _lib.loom_decode_layers_f32(
-            layers, len(self.model.layers), ctypes.byref(self.dims), x.data_ptr(),
+        rc = _lib.loom_decode_layers(
+            layers, len(self.model.layers), ctypes.byref(self.dims),
+            self.weight_dtype == torch.bfloat16, x.data_ptr(),
             residual.data_ptr(), tokens, meta.positions.data_ptr(), rotary.cos.data_ptr(),
             rotary.sin.data_ptr(), meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
             group.seq_lens.data_ptr(), group.block_tables.shape[1])

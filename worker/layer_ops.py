@@ -1,7 +1,8 @@
 """Fused float32 element-wise ops of a decoder layer (`worker/kernels/layer_ops.c`).
 
-Used by the Llama model for float32 weights when the kernel could be built; bfloat16 and
-float16 keep PyTorch's ops, whose per-op rounding Hugging Face's reference shares.
+Used by the Llama model whenever it computes in float32 and the kernel could be built: float32
+models, and bfloat16 models running on the packed GEMM (bfloat16 weights and KV cache, float32
+activations). Models computing in bfloat16 or float16 keep PyTorch's ops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ if _lib is not None:
         "loom_rms_norm": [_P, _L, _P, _P, _I, _I, _F],
         "loom_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
         "loom_rope_store_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
+        "loom_rope_store_kv_bf16": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
         "loom_silu_mul": [_P, _P, _I, _I],
     }.items():
         getattr(_lib, _name).restype = None
@@ -54,8 +56,10 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                   k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor) -> None:
     """Rotates the q and k heads of qkv ([T, (H + 2 KVH) * D], contiguous) in place and
-    writes k and v into the cache at `slots`."""
-    _lib.loom_rope_store_kv(
+    writes k and v into the cache (float32, or bfloat16: rounded) at `slots`."""
+    store = _lib.loom_rope_store_kv_bf16 if k_cache.dtype == torch.bfloat16 \
+        else _lib.loom_rope_store_kv
+    store(
         qkv.data_ptr(), qkv.shape[0], heads, kv_heads, head_dim, positions.data_ptr(),
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slots.data_ptr())

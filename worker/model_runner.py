@@ -156,6 +156,8 @@ def _build_model(
     if packing_pays_off(dtype):
         logger.info("linear layers: Loom's packed GEMM kernel (%d layers)",
                     pack_linear_layers(model))
+        if dtype == torch.bfloat16:
+            model.compute_in_float32()
         model.fused_decode = FusedDecode.for_model(model)
     else:  # PyTorch's GEMM: no kernel here, float16, or bfloat16 on a CPU with AMX
         logger.info("linear layers: PyTorch's GEMM")

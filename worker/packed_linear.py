@@ -1,10 +1,11 @@
 """PackedLinear: an nn.Linear whose weight is packed once for the native GEMM kernel.
 
 `worker/kernels/packed_linear.c` says why (PyTorch's CPU GEMM leaves most of the machine idle
-at the row counts a server runs). Float32 and bfloat16 weights are packed; inputs are widened
-to float32 and outputs rounded back to the weight dtype, as PyTorch's own bf16 linear does
-(float32 accumulation). Without the kernel (no C compiler, no AVX2) or for float16 weights,
-`pack_linear_layers` leaves the model as it is.
+at the row counts a server runs). Float32 and bfloat16 weights are packed; the kernel widens
+bfloat16 weights and inputs to float32 and accumulates in float32, and the output has the
+input's dtype (a bfloat16 input gets its output rounded once, as PyTorch's bf16 linear does).
+Without the kernel (no C compiler, no AVX2) or for float16 weights, `pack_linear_layers` leaves
+the model as it is.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class PackedLinear(nn.Module):
                 None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                 self.out_features, rows, self.out_features, self.in_features,
             )
-        if self.dtype != torch.float32:
-            y = y.to(self.dtype)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,7 +1,7 @@
 """Prefill attention (prompt chunks, causal) over the paged KV cache, in place.
 
-Uses the native kernel in `worker/kernels/paged_prefill_attention.c` for float32 when it could
-be built; otherwise `paged_attention` gathers blocks and calls PyTorch's SDPA.
+Uses the native kernel in `worker/kernels/paged_prefill_attention.c` for float32 queries over a
+float32 or bfloat16 cache when it could be built; otherwise `paged_attention` gathers blocks and calls PyTorch's SDPA.
 """
 
 from __future__ import annotations
@@ -14,22 +14,23 @@ from worker.kernels import load_kernel
 
 _lib = load_kernel("paged_prefill_attention")
 if _lib is not None:
-    _lib.loom_prefill_attention_f32.restype = None
-    _lib.loom_prefill_attention_f32.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    _lib.loom_prefill_attention.restype = None
+    _lib.loom_prefill_attention.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p])
 
 
 def native_prefill_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (_lib is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    return (_lib is not None and q.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, torch.bfloat16)
             and q.stride(2) == 1 and q.stride(1) == q.shape[2]
             and bool(_lib.loom_prefill_attention_limits(k_cache.shape[1], k_cache.shape[3])))
 
 
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, H, D], rows may be strided (a view of the fused qkv output)
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], holding this step's K/V too
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], f32 or bf16, with this step's K/V
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32: tokens each sequence attends to (this chunk's last)
@@ -40,8 +41,9 @@ def paged_prefill_attention(
 ) -> None:
     tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    _lib.loom_prefill_attention_f32(
+    _lib.loom_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.dtype == torch.bfloat16,
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), q_lens.data_ptr(),
         first_rows.data_ptr(), block_tables.shape[0], heads, kv_heads, head_dim, block_size,
         scale, out.data_ptr())

@@ -1,4 +1,5 @@
-/* Every decoder layer of a float32 Llama-family model for one decode step, in one call.
+/* Every decoder layer of a Llama-family model (float32, or bfloat16 weights computing in
+ * float32) for one decode step, in one call.
  *
  * A decode step of SmolLM2-135M is 30 layers x ~25 small operations; driven from Python each
  * costs a few microseconds of dispatch (ctypes argument conversion, tensor allocation, views),
@@ -18,12 +19,14 @@
 
 #include <stdlib.h>
 
-/* One layer's weights: packed projections (packed_linear.c layout), norms, its KV cache. */
+/* One layer's weights: packed projections (packed_linear.c layout), norms, its KV cache.
+ * Projections and cache are float32 or, in a bfloat16 model, bfloat16; the rest is float32. */
 typedef struct {
     const float *input_norm, *post_norm;
-    const float *qkv, *qkv_bias; /* qkv_bias may be NULL */
-    const float *o, *gate_up, *down;
-    float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+    const void *qkv;
+    const float *qkv_bias; /* may be NULL */
+    const void *o, *gate_up, *down;
+    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
 } LayerWeights;
 
 typedef struct {
@@ -31,14 +34,22 @@ typedef struct {
     float eps, scale;
 } ModelDims;
 
+static void linear(int bf16, const float *x, int64_t ldx, const void *w, const float *bias,
+                   float *y, int64_t ldy, int M, int N, int K) {
+    if (bf16)
+        loom_linear_bf16(x, ldx, w, bias, y, ldy, M, N, K);
+    else
+        loom_linear_f32(x, ldx, w, bias, y, ldy, M, N, K);
+}
+
 /* x [T, hidden] in: the embeddings; out: the last layer's MLP output. residual [T, hidden] out.
  * positions, slots [T]; block_tables [T, max_blocks]; seq_lens [T] (tokens to attend to,
- * this one included). Returns 0, or -1 if scratch memory could not be had. */
-int loom_decode_layers_f32(const LayerWeights *layers, int num_layers, const ModelDims *d,
-                           float *x, float *residual, int T, const int64_t *positions,
-                           const float *cos_table, const float *sin_table, const int64_t *slots,
-                           const int32_t *block_tables, const int32_t *seq_lens,
-                           int max_blocks) {
+ * this one included). bf16: projections and cache are bfloat16 (activations stay float32).
+ * Returns 0, or -1 if scratch memory could not be had. */
+int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDims *d, int bf16,
+                       float *x, float *residual, int T, const int64_t *positions,
+                       const float *cos_table, const float *sin_table, const int64_t *slots,
+                       const int32_t *block_tables, const int32_t *seq_lens, int max_blocks) {
     const int q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     float *h = malloc(sizeof(float) * (size_t)T * d->hidden);
@@ -60,22 +71,31 @@ int loom_decode_layers_f32(const LayerWeights *layers, int num_layers, const Mod
         } else {
             loom_add_rms_norm(residual, x, L->input_norm, h, T, d->hidden, d->eps);
         }
-        loom_linear_f32(h, d->hidden, L->qkv, L->qkv_bias, qkv, qkv_width, T, qkv_width,
-                        d->hidden);
-        loom_rope_store_kv(qkv, T, d->heads, d->kv_heads, d->head_dim, positions, cos_table,
-                           sin_table, L->k_cache, L->v_cache, slots);
+        linear(bf16, h, d->hidden, L->qkv, L->qkv_bias, qkv, qkv_width, T, qkv_width,
+               d->hidden);
+        if (bf16)
+            loom_rope_store_kv_bf16(qkv, T, d->heads, d->kv_heads, d->head_dim, positions,
+                                    cos_table, sin_table, L->k_cache, L->v_cache, slots);
+        else
+            loom_rope_store_kv(qkv, T, d->heads, d->kv_heads, d->head_dim, positions,
+                               cos_table, sin_table, L->k_cache, L->v_cache, slots);
         for (int t = 0; t < T; t++)
             memcpy(q + (int64_t)t * q_size, qkv + (int64_t)t * qkv_width, sizeof(float) * q_size);
-        paged_decode_attention_f32(q, L->k_cache, L->v_cache, block_tables, seq_lens, attn, T,
-                                   d->heads, d->kv_heads, d->head_dim, d->block_size,
-                                   max_blocks, d->scale);
-        loom_linear_f32(attn, q_size, L->o, NULL, x, d->hidden, T, d->hidden, q_size);
+        if (bf16)
+            paged_decode_attention_bf16(q, L->k_cache, L->v_cache, block_tables, seq_lens, attn,
+                                        T, d->heads, d->kv_heads, d->head_dim, d->block_size,
+                                        max_blocks, d->scale);
+        else
+            paged_decode_attention_f32(q, L->k_cache, L->v_cache, block_tables, seq_lens, attn,
+                                       T, d->heads, d->kv_heads, d->head_dim, d->block_size,
+                                       max_blocks, d->scale);
+        linear(bf16, attn, q_size, L->o, NULL, x, d->hidden, T, d->hidden, q_size);
         loom_add_rms_norm(residual, x, L->post_norm, h, T, d->hidden, d->eps);
-        loom_linear_f32(h, d->hidden, L->gate_up, NULL, gate_up, 2 * d->intermediate, T,
-                        2 * d->intermediate, d->hidden);
+        linear(bf16, h, d->hidden, L->gate_up, NULL, gate_up, 2 * d->intermediate, T,
+               2 * d->intermediate, d->hidden);
         loom_silu_mul(gate_up, act, T, d->intermediate);
-        loom_linear_f32(act, d->intermediate, L->down, NULL, x, d->hidden, T, d->hidden,
-                        d->intermediate);
+        linear(bf16, act, d->intermediate, L->down, NULL, x, d->hidden, T, d->hidden,
+               d->intermediate);
     }
 done:
     free(h);

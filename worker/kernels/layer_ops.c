@@ -1,4 +1,5 @@
-/* The element-wise parts of a float32 decoder layer, each one pass over memory.
+/* The element-wise parts of a float32 decoder layer (a bfloat16 model's too: it computes in
+ * float32), each one pass over memory.
  *
  * In PyTorch each of these is 4-8 small ops (RMSNorm: float, pow, mean, add, rsqrt, mul, to,
  * mul), every one a dispatch of a few microseconds and a fresh tensor; at decode sizes the
@@ -10,6 +11,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Rows times features below which one thread does it all (a fork costs more than the work). */
 #define PARALLEL_MIN 65536
@@ -52,29 +54,44 @@ static inline void rotate(float *restrict x, const float *restrict c, const floa
     }
 }
 
+/* float32 -> bfloat16, rounded to nearest even (as PyTorch's .to(torch.bfloat16)). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 /* qkv rows are [q heads | k heads | v heads] of head_dim each. Rotates q and k in place
  * (rotate-half convention; cos/sin tables [positions, head_dim]) and copies k and v into the
- * cache slot of each row (cache [slots, kv_heads, head_dim]). */
-void loom_rope_store_kv(float *qkv, int rows, int heads, int kv_heads, int head_dim,
-                        const int64_t *positions, const float *cos_table, const float *sin_table,
-                        float *k_cache, float *v_cache, const int64_t *slots) {
-    const int64_t width = (int64_t)(heads + 2 * kv_heads) * head_dim;
-    const int64_t kv_row = (int64_t)kv_heads * head_dim;
-    const int half = head_dim / 2;
-#pragma omp parallel for if ((int64_t)rows * width >= PARALLEL_MIN)
-    for (int r = 0; r < rows; r++) {
-        float *row = qkv + r * width;
-        const float *c = cos_table + positions[r] * head_dim;
-        const float *s = sin_table + positions[r] * head_dim;
-        for (int h = 0; h < heads + kv_heads; h++) rotate(row + (int64_t)h * head_dim, c, s, half);
-        float *k_dst = k_cache + slots[r] * kv_row, *v_dst = v_cache + slots[r] * kv_row;
-        const float *k = row + (int64_t)heads * head_dim, *v = k + kv_row;
-        for (int64_t i = 0; i < kv_row; i++) {
-            k_dst[i] = k[i];
-            v_dst[i] = v[i];
-        }
-    }
+ * cache slot of each row (cache [slots, kv_heads, head_dim]), as float32 or rounded to
+ * bfloat16 (a bfloat16 model computes in float32 but keeps its cache in bfloat16). */
+#define DEFINE_ROPE_STORE_KV(NAME, CT, STORE)                                                \
+void NAME(float *qkv, int rows, int heads, int kv_heads, int head_dim,                       \
+          const int64_t *positions, const float *cos_table, const float *sin_table,          \
+          CT *k_cache, CT *v_cache, const int64_t *slots) {                                  \
+    const int64_t width = (int64_t)(heads + 2 * kv_heads) * head_dim;                        \
+    const int64_t kv_row = (int64_t)kv_heads * head_dim;                                     \
+    const int half = head_dim / 2;                                                           \
+    _Pragma("omp parallel for if ((int64_t)rows * width >= PARALLEL_MIN)")                   \
+    for (int r = 0; r < rows; r++) {                                                         \
+        float *row = qkv + r * width;                                                        \
+        const float *c = cos_table + positions[r] * head_dim;                                \
+        const float *s = sin_table + positions[r] * head_dim;                                \
+        for (int h = 0; h < heads + kv_heads; h++)                                           \
+            rotate(row + (int64_t)h * head_dim, c, s, half);                                 \
+        CT *k_dst = k_cache + slots[r] * kv_row, *v_dst = v_cache + slots[r] * kv_row;       \
+        const float *k = row + (int64_t)heads * head_dim, *v = k + kv_row;                   \
+        for (int64_t i = 0; i < kv_row; i++) {                                               \
+            k_dst[i] = STORE(k[i]);                                                          \
+            v_dst[i] = STORE(v[i]);                                                          \
+        }                                                                                    \
+    }                                                                                        \
 }
+#define STORE_F32(x) (x)
+DEFINE_ROPE_STORE_KV(loom_rope_store_kv, float, STORE_F32)
+DEFINE_ROPE_STORE_KV(loom_rope_store_kv_bf16, uint16_t, f32_to_bf16)
 
 /* out = silu(gate) * up, gate_up rows [gate | up] of `inter` each. */
 void loom_silu_mul(const float *gate_up, float *out, int rows, int inter) {

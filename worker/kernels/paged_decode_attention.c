@@ -9,8 +9,8 @@
  * smaller than the thread count still split by kv head so every thread has work.
  *
  * Layout (row-major):
- *   q            [num_seqs, num_heads, head_dim]
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   q            [num_seqs, num_heads, head_dim] (float32)
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim] (float32 or bfloat16)
  *   block_tables [num_seqs, max_blocks] (int32)
  *   seq_lens     [num_seqs] (int32): tokens to attend to, including the newest
  *   out          [num_seqs, num_heads, head_dim] (float32)
@@ -30,7 +30,7 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                         \
-void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,      \
+void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,      \
           const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads, \
           int head_dim, int block_size, int max_blocks, float scale) {                       \
     const int group = num_heads / num_kv_heads;                                              \
@@ -48,8 +48,8 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_t
         float *scores = malloc(sizeof(float) * (size_t)nh * (size_t)len);                    \
         float *qf = malloc(sizeof(float) * (size_t)nh * (size_t)head_dim);                   \
         float *acc = out + ((int64_t)s * num_heads + h0) * head_dim;                         \
-        const T *qs = q + ((int64_t)s * num_heads + h0) * head_dim;                          \
-        for (int i = 0; i < nh * head_dim; i++) qf[i] = LOAD(qs[i]) * scale;                 \
+        const float *qs = q + ((int64_t)s * num_heads + h0) * head_dim;                      \
+        for (int i = 0; i < nh * head_dim; i++) qf[i] = qs[i] * scale;                       \
         for (int t = 0; t < len; t++) {                                                      \
             const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size; \
             const T *krow = k_cache + slot * row;                                            \

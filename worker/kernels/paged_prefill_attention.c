@@ -1,4 +1,5 @@
-/* Causal attention of prompt chunks over the paged KV cache (float32), flash-attention style.
+/* Causal attention of prompt chunks over the paged KV cache (float32 or bfloat16; queries and
+ * arithmetic float32), flash-attention style.
  *
  * PyTorch's path gathered every sequence's blocks into a padded tensor and ran SDPA with a
  * boolean mask: it computed the masked half of every causal product too, and was 15% of a
@@ -13,6 +14,8 @@
  * Per key block, scores are computed key-parallel (K transposed into a [head_dim][block]
  * scratch, one broadcast q element times a row of keys per FMA), then V is accumulated
  * dimension-parallel: no horizontal sums in either product.
+ *
+ * A bfloat16 cache is widened block by block into float32 scratch.
  *
  * Layout: q rows `q_stride` floats apart, each [heads][head_dim]; k/v cache
  * [num_blocks, block_size, kv_heads, head_dim]; out [rows][heads][head_dim] contiguous.
@@ -115,9 +118,21 @@ static inline __attribute__((always_inline)) void attend_block(
     *m = new_max;
 }
 
-static void tile(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                 const int32_t *table, int row0, int pos0, int rows, int kv_head, int group,
-                 int heads, int kv_heads, int head_dim, float scale, float *out) {
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Element i of a float32 (bf16 == 0) or bfloat16 cache, as float32. */
+static inline float cache_at(const void *cache, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+
+static void tile(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                 int bf16, const int32_t *table, int row0, int pos0, int rows, int kv_head,
+                 int group, int heads, int kv_heads, int head_dim, float scale, float *out) {
     const int nq = rows * group; /* query vectors of this tile: (row, head in the group) */
     const int64_t kv_row = (int64_t)kv_heads * head_dim;
     float qs[TQ * 8 * MAX_DIM / 8]; /* up to TQ rows x 8 heads per kv head */
@@ -126,6 +141,7 @@ static void tile(const float *q, int64_t q_stride, const float *k_cache, const f
     float *acc = calloc((size_t)nq * head_dim, sizeof(float));
     float m[TQ * 16], l[TQ * 16];
     float kt[MAX_DIM * BS]; /* the K block, transposed: [head_dim][BS] */
+    float vf[BS * MAX_DIM]; /* a bfloat16 V block, widened: [BS][head_dim] */
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < group; g++) {
             const float *src = q + (int64_t)(row0 + r) * q_stride +
@@ -141,11 +157,16 @@ static void tile(const float *q, int64_t q_stride, const float *k_cache, const f
         const int first_key = b * BS;
         const int keys = last_pos - first_key + 1 < BS ? last_pos - first_key + 1 : BS;
         for (int j = 0; j < BS; j++) {
-            const float *k = k_cache + (base + (j < keys ? j : 0)) * kv_row +
-                             (int64_t)kv_head * head_dim;
-            for (int d = 0; d < head_dim; d++) kt[d * BS + j] = k[d];
+            const int64_t k = (base + (j < keys ? j : 0)) * kv_row + (int64_t)kv_head * head_dim;
+            for (int d = 0; d < head_dim; d++) kt[d * BS + j] = cache_at(k_cache, bf16, k + d);
         }
-        const float *v_rows = v_cache + base * kv_row + (int64_t)kv_head * head_dim;
+        const int64_t v0 = base * kv_row + (int64_t)kv_head * head_dim;
+        if (bf16)
+            for (int j = 0; j < keys; j++)
+                for (int d = 0; d < head_dim; d++)
+                    vf[j * head_dim + d] = cache_at(v_cache, 1, v0 + j * kv_row + d);
+        const float *v_rows = bf16 ? vf : (const float *)v_cache + v0;
+        const int64_t v_stride = bf16 ? head_dim : kv_row;
         for (int v = 0; v < nq; v++) {
             const int pos = pos0 + v / group;
             const int visible = pos - first_key + 1 < keys ? pos - first_key + 1 : keys;
@@ -153,11 +174,11 @@ static void tile(const float *q, int64_t q_stride, const float *k_cache, const f
             const float *qv = qbuf + (int64_t)v * head_dim;
             float *o = acc + (int64_t)v * head_dim;
             if (head_dim == 64)
-                attend_block(64, qv, kt, v_rows, kv_row, visible, &m[v], &l[v], o);
+                attend_block(64, qv, kt, v_rows, v_stride, visible, &m[v], &l[v], o);
             else if (head_dim == 128)
-                attend_block(128, qv, kt, v_rows, kv_row, visible, &m[v], &l[v], o);
+                attend_block(128, qv, kt, v_rows, v_stride, visible, &m[v], &l[v], o);
             else
-                attend_block(head_dim, qv, kt, v_rows, kv_row, visible, &m[v], &l[v], o);
+                attend_block(head_dim, qv, kt, v_rows, v_stride, visible, &m[v], &l[v], o);
         }
     }
     for (int v = 0; v < nq; v++) {
@@ -170,12 +191,12 @@ static void tile(const float *q, int64_t q_stride, const float *k_cache, const f
     free(acc);
 }
 
-void loom_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                                const float *v_cache, const int32_t *block_tables,
-                                int max_blocks, const int32_t *seq_lens, const int32_t *q_lens,
-                                const int32_t *first_rows, int num_seqs, int heads,
-                                int kv_heads, int head_dim, int block_size, float scale,
-                                float *out) {
+/* bf16: the cache is bfloat16 (q and out are float32 either way). */
+void loom_prefill_attention(const float *q, int64_t q_stride, const void *k_cache,
+                            const void *v_cache, int bf16, const int32_t *block_tables,
+                            int max_blocks, const int32_t *seq_lens, const int32_t *q_lens,
+                            const int32_t *first_rows, int num_seqs, int heads, int kv_heads,
+                            int head_dim, int block_size, float scale, float *out) {
     const int group = heads / kv_heads;
     /* Tasks: (sequence, query tile, kv head), longest tiles (latest rows) first. */
     int tasks = 0;
@@ -194,7 +215,7 @@ void loom_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
         const int s = task_seq[i], t = task_tile[i] / kv_heads, h = task_tile[i] % kv_heads;
         const int start = seq_lens[s] - q_lens[s];
         const int rows = q_lens[s] - t * TQ < TQ ? q_lens[s] - t * TQ : TQ;
-        tile(q, q_stride, k_cache, v_cache, block_tables + (int64_t)s * max_blocks,
+        tile(q, q_stride, k_cache, v_cache, bf16, block_tables + (int64_t)s * max_blocks,
              first_rows[s] + t * TQ, start + t * TQ, rows, h, group, heads, kv_heads, head_dim,
              scale, out);
     }
