@@ -49,6 +49,7 @@ class Ceiling:
         self.max_len = cfg.prompt_len + cfg.output_len
         torch.set_num_threads(os.cpu_count() or 1)
         self.loop = _StepLoop(_make_runner(cfg, self.max_len), cfg.block_size)
+        self.prefills = 0
         self.record: dict = {"threads": torch.get_num_threads(), "prefill_one": None,
                              "one_token_forward_ms": None, "batches": {}}
         _warm_up(self.loop, cfg, self.max_len)
@@ -59,6 +60,16 @@ class Ceiling:
             "ceiling prefill", lambda: _measure_prefill_one(self.loop, cfg, self.max_len))
         self.log(f"ceiling: one {cfg.prompt_len}-token prefill {prefill['ms']:.1f} ms")
         return prefill
+
+    def prefill_ms(self, ids: list[int]) -> float:
+        """One prefill of exactly this prompt at batch 1 (bench.ttft_pairs pairs it with the
+        server's TTFT for the same prompt)."""
+        self.prefills += 1
+        seqs = st.make_sequences([ids], self.max_len, self.cfg.block_size,
+                                 f"pair-{self.prefills}")
+        seconds = sum(self.loop.prefill(seqs, self.cfg.chunk_tokens))
+        self.loop.finish(seqs)
+        return seconds * 1e3
 
     def measure_batch(self, batch: int) -> dict:
         cfg = self.cfg

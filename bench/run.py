@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each level sends max(this x concurrency, 4) requests")
     p.add_argument("--level-timeout", type=float, default=600.0,
                    help="seconds after which a level sends no new request")
+    p.add_argument("--ttft-pairs", type=int, default=16,
+                   help="after the load levels, this many c=1 TTFTs each paired with the "
+                        "ceiling's prefill of the same prompt (0: none)")
     p.add_argument("--baseline-batch", type=int, default=16)
     p.add_argument("--baseline-requests", type=int, default=3)
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
@@ -133,6 +136,7 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
         drive(args, record, clean, args.model, before_level=_ceiling_batch(ceiling))
+        measure_pairs(args, record, clean, ceiling)
         return record
     from bench.server import LoomServer
 
@@ -153,7 +157,25 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
                 _ceiling_batch(ceiling)(c)
 
         drive(args, record, clean, args.model, before_level=before_level)
+        server.wait_quiet()
+        measure_pairs(args, record, clean, ceiling)
     return record
+
+
+def measure_pairs(args, record: dict, clean: CleanRuns, ceiling) -> None:
+    """TTFT at c=1 next to the ceiling's prefill of the same prompts (see ttft_pairs.py)."""
+    if ceiling is None or args.ttft_pairs <= 0:
+        return
+    from bench.ttft_pairs import measure_ttft_pairs
+
+    record["ttft_pairs"] = pairs = clean.run("ttft pairs", lambda: measure_ttft_pairs(
+        ceiling, record["url"], record["model"], args.prompt_len, args.ttft_pairs))
+    if not pairs["pairs"]:
+        log(f"server: no TTFT pair measured: {'; '.join(pairs['errors'])}")
+        return
+    log(f"server: c=1 TTFT - prefill of the same prompt, median of {pairs['pairs']} pairs: "
+        f"{pairs['ttft_over_prefill_ms_p50']:+.1f} ms (TTFT p50 {pairs['ttft_ms_p50']:.1f} ms, "
+        f"prefill p50 {pairs['prefill_ms_p50']:.1f} ms)")
 
 
 def _ceiling_batch(ceiling):
@@ -303,7 +325,8 @@ def _config(args) -> dict:
             "chunk_tokens": chunk_tokens(args), "requests_per_client": args.requests_per_client,
             "level_timeout_s": args.level_timeout, "baseline_batch": args.baseline_batch,
             "baseline_requests": args.baseline_requests, "wait_idle_s": args.wait_idle,
-            "retries": args.retries, "peer_url": args.peer_url, "peer_name": args.peer_name}
+            "retries": args.retries, "ttft_pairs": args.ttft_pairs, "peer_url": args.peer_url,
+            "peer_name": args.peer_name}
 
 
 def _model_name(results: dict) -> str:

@@ -42,3 +42,32 @@ def test_streams_like_httpx_and_records_errors(tiny_model_dir):
         assert not bad.ok and "HTTP 404" in bad.error
     finally:
         srv.stop()
+
+
+def test_ttft_pairs_measure_the_same_prompt_on_both_sides(tiny_model_dir):
+    """bench.ttft_pairs: each pair is the plain loop's prefill and the server's TTFT of one
+    prompt, and the worker's own forward for that very request comes from loom's /metrics."""
+    from bench.ceiling import Ceiling, CeilingConfig
+    from bench.server_metrics import parse_prometheus
+    from bench.ttft_pairs import measure_ttft_pairs
+
+    ceiling = Ceiling(CeilingConfig(model_dir=tiny_model_dir, dtype="float32", prompt_len=24,
+                                    output_len=4, batch_sizes=[1]), log=lambda *a: None)
+    srv = start_server(tiny_model_dir)
+    try:
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        result = measure_ttft_pairs(ceiling, srv.url, model, prompt_len=24, pairs=3)
+        metrics = parse_prometheus(httpx.get(srv.url + "/metrics").text)
+    finally:
+        srv.stop()
+        ceiling.close()
+    assert result["pairs"] == 3 and not result["errors"]
+    assert all(ms > 0 for ms in result["prefill_ms"])
+    forwards = result["server_forward_ms"]
+    assert None not in forwards and len(forwards) == 3
+    # The first token cannot reach the client before the forward that made it has ended.
+    assert all(t > f > 0 for t, f in zip(result["ttft_ms"], forwards))
+    assert result["ttft_over_server_forward_ms_p50"] > 0
+    # distinct prompts: nothing was served from the prefix cache
+    assert metrics["loom:prefix_cache_queries_total"] >= 3 * 24
+    assert metrics["loom:prefix_cache_hits_total"] == 0
