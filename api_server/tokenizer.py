@@ -7,6 +7,7 @@ prompt against the model's context length and builds the TextContext sent to the
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import msgspec
@@ -17,11 +18,37 @@ from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 
 
+def load_hf_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, the class AutoTokenizer would pick, without AutoTokenizer.
+
+    AutoTokenizer resolves the class through the model's AutoConfig, whose import pulls in
+    PyTorch and most of transformers: 6.5 s here for SmolLM2's tokenizer against 1.5 s when
+    the class named in tokenizer_config.json is taken from transformers' lazy top-level
+    module, and the API process (which needs no PyTorch) was the last one ready at start-up.
+    """
+    import transformers
+
+    name = _tokenizer_class_name(model_dir)
+    candidates = [name] if name is None or name.endswith("Fast") else [f"{name}Fast", name]
+    for candidate in candidates:
+        cls = getattr(transformers, candidate, None) if candidate else None
+        if cls is not None:
+            return cls.from_pretrained(model_dir)
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _tokenizer_class_name(model_dir: str) -> str | None:
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    return name if isinstance(name, str) and name.isidentifier() else None
+
+
 class TextTokenizer:
     def __init__(self, model_dir: str, max_model_len: int, eos_token_ids: list[int]) -> None:
-        from transformers import AutoTokenizer
-
-        self.delegate = AutoTokenizer.from_pretrained(model_dir)
+        self.delegate = load_hf_tokenizer(model_dir)
         self.max_model_len = max_model_len
         eos = set(eos_token_ids)
         if self.delegate.eos_token_id is not None:
