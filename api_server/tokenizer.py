@@ -29,11 +29,11 @@ def load_hf_tokenizer(model_dir: str):
     import transformers
 
     name = _tokenizer_class_name(model_dir)
-    candidates = [name] if name is None or name.endswith("Fast") else [f"{name}Fast", name]
-    for candidate in candidates:
-        cls = getattr(transformers, candidate, None) if candidate else None
-        if cls is not None:
-            return cls.from_pretrained(model_dir)
+    if name:  # AutoTokenizer's preference: the fast class where there is one
+        for candidate in dict.fromkeys((name.removesuffix("Fast") + "Fast", name)):
+            cls = getattr(transformers, candidate, None)
+            if cls is not None:
+                return cls.from_pretrained(model_dir)
     return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 

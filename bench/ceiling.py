@@ -65,11 +65,7 @@ class Ceiling:
         """One prefill of exactly this prompt at batch 1 (bench.ttft_pairs pairs it with the
         server's TTFT for the same prompt)."""
         self.prefills += 1
-        seqs = st.make_sequences([ids], self.max_len, self.cfg.block_size,
-                                 f"pair-{self.prefills}")
-        seconds = sum(self.loop.prefill(seqs, self.cfg.chunk_tokens))
-        self.loop.finish(seqs)
-        return seconds * 1e3
+        return _prefill_once(self.loop, self.cfg, self.max_len, ids, f"pair-{self.prefills}") * 1e3
 
     def measure_batch(self, batch: int) -> dict:
         cfg = self.cfg
@@ -167,14 +163,19 @@ def _warm_up(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> None:
 
 def _measure_prefill_one(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> dict:
     """One P-token prompt at batch 1 (what TTFT at concurrency 1 is made of), median of a few."""
-    times = []
-    for r in range(cfg.prefill_repeats):
-        seqs = st.make_sequences(_prompts(1, cfg.prompt_len, 100 + r), max_len, cfg.block_size,
-                                 f"p1-{r}")
-        times.append(sum(loop.prefill(seqs, cfg.chunk_tokens)))
-        loop.finish(seqs)
+    times = [_prefill_once(loop, cfg, max_len, _prompts(1, cfg.prompt_len, 100 + r)[0], f"p1-{r}")
+             for r in range(cfg.prefill_repeats)]
     ms = median(times) * 1e3
     return {"ms": ms, "tok_s": cfg.prompt_len / (ms / 1e3), "runs_ms": [t * 1e3 for t in times]}
+
+
+def _prefill_once(loop: _StepLoop, cfg: CeilingConfig, max_len: int, ids: list[int],
+                  tag: str) -> float:
+    """Seconds of forward passes to prefill one prompt at batch 1, in budget-sized chunks."""
+    seqs = st.make_sequences([ids], max_len, cfg.block_size, tag)
+    seconds = sum(loop.prefill(seqs, cfg.chunk_tokens))
+    loop.finish(seqs)
+    return seconds
 
 
 def _measure_batch(loop: _StepLoop, cfg: CeilingConfig, batch: int, max_len: int) -> dict:
