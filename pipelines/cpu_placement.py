@@ -24,7 +24,10 @@ from dataclasses import dataclass
 # OpenMP's (ZeroMQ's, llguidance's, onnxruntime's) are started under `worker_threads()`.
 _worker_cores: tuple[int, ...] | None = None
 
-WORKER_SPIN_COUNT = 10_000  # GOMP_SPINCOUNT in the worker (see enter_worker)
+# GOMP_SPINCOUNT in a float32 worker (see enter_worker). Not for bfloat16: its prefill has
+# serial stretches between parallel loops longer than this, and with it a 256-token prefill
+# was slower in 3 of 3 alternated runs (median of 7 each: +7, +44, +64 ms of 570-700).
+WORKER_SPIN_COUNT = {"float32": 10_000}
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class CpuPlacement:
         service = tuple(cpus[len(worker):]) or tuple(cpus[1:])
         return cls(worker, service)
 
-    def enter_worker(self) -> None:
+    def enter_worker(self, dtype: str) -> None:
         """In the worker, before OpenMP starts (before torch is imported): bind its threads."""
         global _worker_cores
         _worker_cores = self.worker
@@ -54,12 +57,13 @@ class CpuPlacement:
         os.environ["OMP_PROC_BIND"] = "close"
         # GNU OpenMP's idle threads spin 300,000 rounds (milliseconds here) before they sleep:
         # after the worker's last step they hold the cores the API and scheduler need to
-        # deliver that step's tokens and take the next request. 10,000 rounds still cover
+        # deliver that step's tokens and take the next request. In float32, 10,000 rounds cover
         # the microsecond gaps between a step's parallel loops. Measured at c=1 (TTFT minus
         # the worker's own prefill forward, medians of 13 requests, 3 runs each, alternated):
         # 4.4-5.2 ms vs 4.9-8.4 ms with the default; client send -> request handler 0.8-1.1
         # vs 1.2-2.8 ms.
-        os.environ.setdefault("GOMP_SPINCOUNT", str(WORKER_SPIN_COUNT))
+        if dtype in WORKER_SPIN_COUNT:
+            os.environ.setdefault("GOMP_SPINCOUNT", str(WORKER_SPIN_COUNT[dtype]))
 
     def enter_service(self) -> None:
         """In the API or scheduler process (after the worker has been started), before it
