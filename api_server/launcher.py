@@ -33,6 +33,7 @@ from serialization.sockets import Endpoints, make_private_ipc_dir
 from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.bert_config import BertConfig
 from pipelines.cpu_placement import CpuPlacement
+from pipelines.lifecycle import freeze_startup_heap
 from worker.process import run_worker
 
 logger = logging.getLogger("loom")
@@ -245,6 +246,7 @@ class Launcher:
             self.drain(state, engine, server)))
         watcher = asyncio.create_task(self.watch_children(engine, server))
         tasks.append(watcher)
+        freeze_startup_heap()  # while the worker still loads: off the start-up path
         try:
             await self._wait_ready(engine, watcher)
             speech.voices, speech.sample_rate = engine.ready.voices, engine.ready.sample_rate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -35,3 +36,17 @@ def ignore_interrupts() -> None:
     and then stops them (a terminal's Ctrl-C or systemd's SIGTERM reach the whole group)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def freeze_startup_heap() -> None:
+    """Move everything start-up allocated (modules, the model's Python objects, the tokenizer)
+    out of the garbage collector's reach, as vLLM and SGLang do.
+
+    Python's full (generation 2) collection walks every tracked object. Serving creates a few
+    thousand per step; full collections are rare while serving (none in two minutes of load
+    here), but with the start-up heap in them each one took 20-110 ms (45,000-186,000 objects
+    during start-up; measured with gc.callbacks): the worker mid-step, the API process between
+    two SSE chunks. Frozen objects are never scanned again; what serving allocates later is
+    collected as before. No collection first: it found ~30 garbage objects among the
+    worker's 186,000 and took 110 ms of its start-up."""
+    gc.freeze()

@@ -24,7 +24,12 @@ import zmq
 from pipelines.context import TextContext
 from pipelines.cpu_placement import CpuPlacement
 from pipelines.embeddings import EmbeddingsContext
-from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
+from pipelines.lifecycle import (
+    die_with_parent,
+    freeze_startup_heap,
+    ignore_interrupts,
+    setup_logging,
+)
 from pipelines.tts_context import TTSContext
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
@@ -378,6 +383,7 @@ def run_scheduler(cfg: SchedulerProcessConfig, endpoints: Endpoints,
         loop.close(linger_ms=1000)  # let SchedulerFailed reach the API process
         sys.exit(1)
     loop.start(ready)
+    freeze_startup_heap()  # with the block manager's blocks
     try:
         loop.run()
     finally:

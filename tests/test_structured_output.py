@@ -210,3 +210,29 @@ def test_grammar_tokenizer_built_from_tokenizer_json_equals_llguidance_hf(smollm
     assert all(ours.decode_bytes([i]) == reference.decode_bytes([i])
                and ours.is_special_token(i) == reference.is_special_token(i)
                for i in range(ours.vocab_size))
+
+
+def test_grammar_tokenizer_is_left_out_of_start_up(smollm2_dir):
+    # Built when the worker is first idle (or by the first structured request), not before
+    # /health: a matcher asked for first still constrains with the right tokenizer.
+    import json
+
+    from worker.process import _deferred_start_up
+    from worker.structured_output import GrammarCompiler
+
+    first = GrammarCompiler(smollm2_dir)
+    assert not first.loaded
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                         "required": ["a"]})
+    matcher = first.matcher_for(schema)
+    assert first.loaded and first.vocab_size >= 49152
+    allowed = first.compute_masks([matcher])[0]
+    assert 0 < allowed.sum() < first.vocab_size  # constrained, not everything or nothing
+
+    class Runner:  # what _deferred_start_up looks at
+        grammars = GrammarCompiler(smollm2_dir)
+
+    tasks = list(_deferred_start_up(Runner, prefault=None))
+    assert tasks == [Runner.grammars.load] and not Runner.grammars.loaded
+    tasks[0]()
+    assert Runner.grammars.loaded and Runner.grammars.vocab_size == first.vocab_size

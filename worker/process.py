@@ -10,7 +10,12 @@ import traceback
 import zmq
 
 from pipelines.cpu_placement import CpuPlacement, short_time_slice, worker_threads
-from pipelines.lifecycle import die_with_parent, ignore_interrupts, setup_logging
+from pipelines.lifecycle import (
+    die_with_parent,
+    freeze_startup_heap,
+    ignore_interrupts,
+    setup_logging,
+)
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioResult,
@@ -28,7 +33,7 @@ from serialization.sockets import Endpoints, decode_or_drop, make_socket
 logger = logging.getLogger("loom.worker")
 
 STARTUP_PREFAULT_SECONDS = 0.3  # of KV cache page faults before the worker reports ready
-PREFAULT_AFTER_IDLE_MS = 20
+IDLE_MS = 20  # without a step for this long, the worker counts as idle
 
 
 def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level: str,
@@ -74,15 +79,18 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     prefault = KVCachePrefault(runner.kv_cache) if hasattr(runner, "kv_cache") else None
     if prefault is not None:
         prefault.run(STARTUP_PREFAULT_SECONDS)  # the blocks the first requests get
+    freeze_startup_heap()
     results.send(encode(ready))
 
+    idle_tasks = _deferred_start_up(runner, prefault)
+    idle_task = next(idle_tasks, None)
     while True:
-        # Idle for a while: fault more fresh KV blocks in, a short call at a time, until a step
-        # comes.
-        # (Not at once: a request arriving in a burst's gaps would wait for the page faults.)
-        if prefault is not None and not prefault.done and not steps.poll(PREFAULT_AFTER_IDLE_MS):
-            while not prefault.done and not steps.poll(0):
-                prefault.step()
+        # Idle for a while: do what start-up left for later, a short call at a time, until a
+        # step comes. (Not at once: a request arriving in a burst's gaps would wait for it.)
+        if idle_task is not None and not steps.poll(IDLE_MS):
+            while idle_task is not None and not steps.poll(0):
+                idle_task()
+                idle_task = next(idle_tasks, None)
         frame = steps.recv(copy=False)
         started = time.monotonic()
         msg = decode_or_drop(decode, frame.buffer, "steps")
@@ -100,6 +108,16 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
             result.started_at, result.finished_at = started, time.monotonic()
         results.send(encode(result))
     zctx.destroy(linger=0)
+
+
+def _deferred_start_up(runner, prefault):
+    """Start-up work that need not delay /health, as short calls: the structured-output
+    tokenizer (0.4-0.5 s, once), then faulting in the KV cache's fresh blocks."""
+    grammars = getattr(runner, "grammars", None)
+    if grammars is not None:
+        yield grammars.load
+    while prefault is not None and not prefault.done:
+        yield prefault.step
 
 
 def _load_runner(cfg):

@@ -1,9 +1,10 @@
 """Constrained decoding with llguidance: a grammar (from a JSON schema) masks the logits of a
 request's rows so every sampled token keeps the output valid.
 
-- The llguidance tokenizer is built once per worker at start-up, straight from tokenizer.json
-  (0.4 s). It used to go through transformers' AutoTokenizer in a background thread: ~4 s of
-  GIL-holding Python that slowed the first forward passes from 0.4 s to 2 s.
+- The llguidance tokenizer is built once per worker, straight from tokenizer.json (0.4 s),
+  when the worker is first idle after start-up. It used to go through transformers'
+  AutoTokenizer in a background thread: ~4 s of GIL-holding Python that slowed the first
+  forward passes from 0.4 s to 2 s.
 - Each distinct schema is compiled once; requests get a cheap deep copy of the compiled matcher.
 - Masks of all constrained rows are computed in one call across Rust threads (GIL released).
 """
@@ -52,16 +53,26 @@ def _llguidance_tokenizer(model_dir: str):
 
 
 class GrammarCompiler:
+    """Compiles JSON schemas to matchers. Its llguidance tokenizer (0.4-0.5 s to build) is
+    built by `load()`: the worker calls it once it is idle after start-up, so it is not on the
+    way to a healthy /health; a structured request that comes first builds it itself."""
+
     def __init__(self, model_dir: str) -> None:
         self.model_dir = model_dir
+        self.loaded = False
         self._tokenizer = None
         self._error: Exception | None = None
         self._templates: OrderedDict[str, object] = OrderedDict()
         self._executor = None
+
+    def load(self) -> None:
+        if self.loaded:
+            return
+        self.loaded = True
         try:
             import llguidance
 
-            self._tokenizer = _llguidance_tokenizer(model_dir)
+            self._tokenizer = _llguidance_tokenizer(self.model_dir)
             # As many threads as the worker's torch threads: more would oversubscribe the cores.
             with worker_threads():
                 self._executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
@@ -75,6 +86,7 @@ class GrammarCompiler:
 
     def matcher_for(self, json_schema: str):
         """A fresh matcher for `json_schema` (compiled once, then copied)."""
+        self.load()
         if self._error is not None:
             raise RuntimeError(f"structured output unavailable: {self._error}")
         template = self._templates.get(json_schema)
