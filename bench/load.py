@@ -43,11 +43,13 @@ def requests_for(cfg: LoadConfig, concurrency: int) -> int:
 
 async def run_load(cfg: LoadConfig, levels: dict, log=print,
                    clean: CleanRuns | None = None, label: str = "server",
-                   before_level: Callable[[int], None] | None = None) -> None:
+                   before_level: Callable[[int], None] | None = None,
+                   after_level: Callable[[int], None] | None = None) -> None:
     """Runs every level, adding each one's summary to `levels` (keyed by concurrency) as soon
     as it ends. A level disturbed by other processes is run again (see clean_runs.py); its
     waiting for quiet may block the loop, which is fine: nothing else is in flight then.
-    `before_level(c)` runs (blocking) before level c: the ceiling's batch c, side by side."""
+    `before_level(c)` and `after_level(c)` run (blocking) right before and after level c:
+    the ceiling's batch c, side by side."""
     clean = clean or CleanRuns()
     prompts = PromptSource(cfg.prompt_len)
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=None)
@@ -61,6 +63,8 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print,
             for attempt in clean.attempts(f"{label} c={c}"):
                 attempt.result = await _measure_level(client, cfg, c, prompts)
             levels[str(c)] = summary = clean.best_result()
+            if after_level is not None:
+                after_level(c)
             log(f"{label}: c={c:>3}: {summary['output_tok_s'] or 0:8.1f} tok/s, TTFT p50 "
                 f"{_ms(summary['ttft_p50_s'])}, ITL p50 {_ms(summary['itl_p50_s'])}, "
                 f"{summary['failed']} failed")

@@ -132,10 +132,12 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
                      clean: CleanRuns, ceiling=None) -> dict:
     """Drive --url if given, else a loom we start (and always stop) ourselves. Fills `record`
     as it goes, so an interrupted run still reports the levels it finished. With `ceiling`,
-    its batch B is measured right before the level at concurrency B (loom idle meanwhile)."""
+    its batch B is measured right before and right after the level at concurrency B (loom
+    idle meanwhile)."""
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
-        drive(args, record, clean, args.model, before_level=_ceiling_batch(ceiling))
+        drive(args, record, clean, args.model, before_level=_ceiling_batch(ceiling),
+              after_level=ceiling and ceiling.bracket_batch)
         measure_pairs(args, record, clean, ceiling)
         return record
     from bench.server import LoomServer
@@ -156,7 +158,13 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
                 server.wait_quiet()
                 _ceiling_batch(ceiling)(c)
 
-        drive(args, record, clean, args.model, before_level=before_level)
+        def after_level(c: int) -> None:
+            if ceiling is not None:
+                server.wait_quiet()
+                ceiling.bracket_batch(c)
+
+        drive(args, record, clean, args.model, before_level=before_level,
+              after_level=after_level)
         server.wait_quiet()
         measure_pairs(args, record, clean, ceiling)
     return record
@@ -206,7 +214,7 @@ def run_peer_phase(args, record: dict, clean: CleanRuns) -> dict:
 
 
 def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = "server",
-          before_level=None) -> None:
+          before_level=None, after_level=None) -> None:
     from bench.load import LoadConfig, run_load
 
     base_url = record["url"]
@@ -217,7 +225,7 @@ def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = 
                      level_timeout=args.level_timeout)
     record["levels"] = {}
     asyncio.run(run_load(cfg, record["levels"], log=log, clean=clean, label=label,
-                         before_level=before_level))
+                         before_level=before_level, after_level=after_level))
 
 
 def _sigterm_as_interrupt(signum, frame):

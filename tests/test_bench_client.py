@@ -71,3 +71,27 @@ def test_ttft_pairs_measure_the_same_prompt_on_both_sides(tiny_model_dir):
     # distinct prompts: nothing was served from the prefix cache
     assert metrics["loom:prefix_cache_queries_total"] >= 3 * 24
     assert metrics["loom:prefix_cache_hits_total"] == 0
+
+
+def test_ceiling_batch_bracketed_by_a_second_run_is_their_mean(tiny_model_dir):
+    """bench.run measures the ceiling's batch B right before and right after the load level
+    at concurrency B; the batch's figures are then the mean of the two runs."""
+    from bench.ceiling import Ceiling, CeilingConfig
+
+    ceiling = Ceiling(CeilingConfig(model_dir=tiny_model_dir, dtype="float32", prompt_len=24,
+                                    output_len=6, batch_sizes=[2]), log=lambda *a: None)
+    try:
+        before = ceiling.measure_batch(2)
+        both = ceiling.bracket_batch(2)
+        assert ceiling.bracket_batch(2) is both  # a third call measures nothing more
+    finally:
+        ceiling.close()
+    first, second = both["runs"]
+    assert first == before and second["batch"] == 2 and second["decode_steps"] == 5
+    assert both["prefill_s"] == (first["prefill_s"] + second["prefill_s"]) / 2
+    assert both["decode_s"] == (first["decode_s"] + second["decode_s"]) / 2
+    expected = 2 * 6 / (both["prefill_s"] + both["decode_s"])
+    assert abs(both["prefill_and_decode_tok_s"] - expected) < 1e-9 * expected
+    assert min(first["prefill_and_decode_tok_s"], second["prefill_and_decode_tok_s"]) \
+        <= both["prefill_and_decode_tok_s"] \
+        <= max(first["prefill_and_decode_tok_s"], second["prefill_and_decode_tok_s"])
