@@ -63,11 +63,11 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print,
             for attempt in clean.attempts(f"{label} c={c}"):
                 attempt.result = await _measure_level(client, cfg, c, prompts)
             levels[str(c)] = summary = clean.best_result()
-            if after_level is not None:
-                after_level(c)
             log(f"{label}: c={c:>3}: {summary['output_tok_s'] or 0:8.1f} tok/s, TTFT p50 "
                 f"{_ms(summary['ttft_p50_s'])}, ITL p50 {_ms(summary['itl_p50_s'])}, "
                 f"{summary['failed']} failed")
+            if after_level is not None:
+                after_level(c)
 
 
 async def _measure_level(client, cfg: LoadConfig, concurrency: int, prompts) -> dict:
