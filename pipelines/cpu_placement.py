@@ -24,11 +24,6 @@ from dataclasses import dataclass
 # OpenMP's (ZeroMQ's, llguidance's, onnxruntime's) are started under `worker_threads()`.
 _worker_cores: tuple[int, ...] | None = None
 
-# GOMP_SPINCOUNT in a float32 worker (see enter_worker). Not for bfloat16: its prefill has
-# serial stretches between parallel loops longer than this, and with it a 256-token prefill
-# was slower in 3 of 3 alternated runs (median of 7 each: +7, +44, +64 ms of 570-700).
-WORKER_SPIN_COUNT = {"float32": 10_000}
-
 
 @dataclass(frozen=True)
 class CpuPlacement:
@@ -48,22 +43,19 @@ class CpuPlacement:
         service = tuple(cpus[len(worker):]) or tuple(cpus[1:])
         return cls(worker, service)
 
-    def enter_worker(self, dtype: str) -> None:
+    def enter_worker(self) -> None:
         """In the worker, before OpenMP starts (before torch is imported): bind its threads."""
         global _worker_cores
         _worker_cores = self.worker
         os.sched_setaffinity(0, self.worker)
         os.environ["OMP_PLACES"] = ",".join(f"{{{cpu}}}" for cpu in self.worker)
         os.environ["OMP_PROC_BIND"] = "close"
-        # GNU OpenMP's idle threads spin 300,000 rounds (milliseconds here) before they sleep:
-        # after the worker's last step they hold the cores the API and scheduler need to
-        # deliver that step's tokens and take the next request. In float32, 10,000 rounds cover
-        # the microsecond gaps between a step's parallel loops. Measured at c=1 (TTFT minus
-        # the worker's own prefill forward, medians of 13 requests, 3 runs each, alternated):
-        # 4.4-5.2 ms vs 4.9-8.4 ms with the default; client send -> request handler 0.8-1.1
-        # vs 1.2-2.8 ms.
-        if dtype in WORKER_SPIN_COUNT:
-            os.environ.setdefault("GOMP_SPINCOUNT", str(WORKER_SPIN_COUNT[dtype]))
+        # GNU OpenMP's spin before sleeping stays at its default. A short one (GOMP_SPINCOUNT
+        # 10,000) freed the cores sooner after a step, but the forward passes paid for it:
+        # the threads slept through the gaps between a step's parallel loops. Measured at
+        # c=1, 2 alternated runs each: ITL / the plain loop's one-token forward 1.05, 1.05
+        # with the default vs 1.13, 1.00; TTFT minus the worker's forward 4.1-4.4 vs
+        # 4.3-6.8 ms; a bf16 prefill 1-10% slower with it.
 
     def enter_service(self) -> None:
         """In the API or scheduler process (after the worker has been started), before it

@@ -43,7 +43,7 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     ignore_interrupts()
     setup_logging(log_level)
     if placement is not None:
-        placement.enter_worker(runner_config.dtype)  # before torch loads OpenMP
+        placement.enter_worker()  # before torch loads OpenMP
     import torch
 
     torch.set_num_threads(num_threads)
