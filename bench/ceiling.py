@@ -69,10 +69,8 @@ class Ceiling:
 
     def measure_batch(self, batch: int) -> dict:
         cfg = self.cfg
-        self.record["batches"][str(batch)] = result = self.clean.run(
-            f"ceiling b={batch}", lambda: _measure_batch(self.loop, cfg, batch, self.max_len))
-        if batch == 1:
-            self.record["one_token_forward_ms"] = result["decode_step_ms_p50"]
+        result = self._store_batch(self.clean.run(
+            f"ceiling b={batch}", lambda: _measure_batch(self.loop, cfg, batch, self.max_len)))
         self.log(f"ceiling: batch {batch:>3}: decode {result['decode_tok_s']:8.1f} tok/s "
                  f"({result['decode_step_ms_p50']:.1f} ms/step), chunked prefill "
                  f"{result['prefill_tok_s']:8.1f} tok/s")
@@ -85,18 +83,24 @@ class Ceiling:
         runs; each run stays in `runs`."""
         cfg = self.cfg
         before = self.record["batches"].get(str(batch))
-        if before is None or "runs" in before:
-            return self.measure_batch(batch) if before is None else before
+        if before is None:
+            return self.measure_batch(batch)
+        if "runs" in before:  # bracketed already
+            return before
         after = self.clean.run(
             f"ceiling b={batch} (after)",
             lambda: _measure_batch(self.loop, cfg, batch, self.max_len))
-        self.record["batches"][str(batch)] = result = _mean_of_runs(before, after, cfg)
-        if batch == 1:
-            self.record["one_token_forward_ms"] = result["decode_step_ms_p50"]
+        result = self._store_batch(_mean_of_runs(before, after, cfg))
         self.log(f"ceiling: batch {batch:>3} again: prefill+decode "
                  f"{after['prefill_and_decode_tok_s']:.1f} tok/s (before the level: "
                  f"{before['prefill_and_decode_tok_s']:.1f}; mean of both: "
                  f"{result['prefill_and_decode_tok_s']:.1f})")
+        return result
+
+    def _store_batch(self, result: dict) -> dict:
+        self.record["batches"][str(result["batch"])] = result
+        if result["batch"] == 1:
+            self.record["one_token_forward_ms"] = result["decode_step_ms_p50"]
         return result
 
     def unmeasured(self) -> list[int]:

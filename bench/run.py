@@ -137,7 +137,7 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
         drive(args, record, clean, args.model, before_level=_ceiling_batch(ceiling),
-              after_level=ceiling and ceiling.bracket_batch)
+              after_level=ceiling.bracket_batch if ceiling is not None else None)
         measure_pairs(args, record, clean, ceiling)
         return record
     from bench.server import LoomServer

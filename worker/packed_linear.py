@@ -49,7 +49,7 @@ def pack_weight(weight: torch.Tensor, panel: int) -> torch.Tensor:
     the last panel padded with zero outputs."""
     n, k = weight.shape
     panels = -(-n // panel)
-    if n % panel:  # (the usual widths are whole panels: no padded copy, 0.3-0.6 s of start-up)
+    if n % panel:  # (the usual widths are whole panels: no padded copy of every weight)
         padded = torch.zeros(panels * panel, k, dtype=weight.dtype)
         padded[:n] = weight
         weight = padded
