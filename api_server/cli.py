@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for their first token beyond which new ones get 429")
     s.add_argument("--max-queued-tokens", type=int, default=1_000_000,
                    help="prompt tokens waiting beyond which new requests get 429")
+    s.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="most sequences (prompts x n) one completion or chat request may ask "
+                        "for (400 beyond)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template sent in chat_template_kwargs (a Jinja template "
+                        "is code: it renders in a sandbox process with a memory limit and a "
+                        "2 s deadline); off: such requests get 400")
     s.add_argument("--max-request-bytes", type=parse_size, default=16 << 20,
                    help="largest request body accepted (413 beyond)")
     s.add_argument("--api-key", default=None,
@@ -92,7 +99,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         name = args.served_model_name or os.path.basename(model_dir.rstrip("/"))
         if model_dir != os.path.abspath(os.path.expanduser(args.model)):
             name = args.served_model_name or args.model
-    for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "max_sequences_per_request"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
     return ServeConfig(
@@ -106,6 +114,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         request_timeout=args.request_timeout, step_timeout=args.step_timeout,
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
         max_request_bytes=args.max_request_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        trust_request_chat_template=args.trust_request_chat_template,
         api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
         task=resolve_task(args.task, model_dir), speech=not args.no_speech,
         speech_noise=not args.deterministic_speech,

@@ -12,6 +12,12 @@ from typing import Any
 
 # Prompt tokens that seed the window, so the first generated word gets its leading space right.
 _SEED_TOKENS = 5
+# Tokens held back at most, waiting for a character to complete. A UTF-8 character is at most
+# 4 bytes and every byte-level token carries at least one, so past this the bytes will never
+# form one (a forced lone continuation byte, say) or the tokens decode to nothing (skipped
+# special tokens): they are let go, and the window the decode runs over stays bounded, where
+# it would otherwise grow with every token (quadratic time).
+_MAX_HELD_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -33,11 +39,26 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         text = self._decode(self.ids[self.prefix_offset :])
         if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-            delta = text[len(prefix_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return delta
+            return self._advance(text, prefix_text, len(self.ids))
+        if len(self.ids) - self.read_offset <= _MAX_HELD_TOKENS:
+            return ""
+        # Held too long. An incomplete character at the end lies within its last 4 tokens:
+        # release what comes before it...
+        for end in range(len(self.ids) - 1, max(self.read_offset, len(self.ids) - 4), -1):
+            partial = self._decode(self.ids[self.prefix_offset : end])
+            if len(partial) > len(prefix_text) and not partial.endswith("\ufffd"):
+                return self._advance(partial, prefix_text, end)
+        # ...else these bytes will never form a character: let them go as they are.
+        if len(text) > len(prefix_text):
+            return self._advance(text, prefix_text, len(self.ids))
+        self.prefix_offset = self.read_offset = len(self.ids) - 1  # they decode to nothing
         return ""
+
+    def _advance(self, text: str, prefix_text: str, end: int) -> str:
+        """Emit `text` (the window decoded up to token `end`) past `prefix_text`."""
+        self.prefix_offset = self.read_offset
+        self.read_offset = end
+        return text[len(prefix_text):]
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete character stays replaced)."""
@@ -78,11 +99,18 @@ class StopStringMatcher:
         return out
 
     def _longest_partial_stop(self) -> int:
-        """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of `pending` that is a proper prefix of a stop string.
+
+        Candidates start where the stop's first character occurs in the last len(stop) - 1
+        characters; each is checked with one startswith (C speed), longest first."""
         best = 0
+        pending = self.pending
         for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:k]):
-                    best = k
+            start = max(len(pending) - len(stop) + 1, 0)
+            i = pending.find(stop[0], start)
+            while i != -1 and len(pending) - i > best:
+                if stop.startswith(pending[i:]):
+                    best = len(pending) - i
                     break
+                i = pending.find(stop[0], i + 1)
         return best

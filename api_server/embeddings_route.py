@@ -19,6 +19,7 @@ from starlette.responses import Response
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.protocol import RequestError, decode_body
+from api_server.tokenizer import INLINE_TOKENIZE_CHARS
 from pipelines.embeddings import EmbeddingsContext
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -51,10 +52,16 @@ class EmbeddingsRoute:
             if req.dimensions is not None and req.dimensions != self.routes.embedding_dim:
                 raise RequestError(f"this model's embeddings have {self.routes.embedding_dim} "
                                    f"dimensions", param="dimensions")
+            items = self._inputs(req.input)
+            # One HTTP request, however many inputs (OpenAI takes up to 2048 per request).
+            self.routes.state.check_queue_room(1)
+            if sum(len(i) for i in items if isinstance(i, str)) > INLINE_TOKENIZE_CHARS:
+                token_ids = await asyncio.to_thread(self._tokenize, items)
+            else:
+                token_ids = self._tokenize(items)
             contexts = [EmbeddingsContext(tokens=ids, model_name=self.routes.model_name,
-                                          request_id=uuid.uuid4().hex)
-                        for ids in self._tokenize(req.input)]
-            self.routes.state.admit(contexts)
+                                          request_id=uuid.uuid4().hex) for ids in token_ids]
+            self.routes.state.admit(contexts, num_requests=1)
         except RequestError as exc:
             return error_response(exc)
         work = asyncio.ensure_future(self.engine.embed(contexts))
@@ -70,7 +77,7 @@ class EmbeddingsRoute:
         return json_response({"object": "list", "data": data, "model": self.routes.model_name,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def _tokenize(self, value) -> list[np.ndarray]:
+    def _inputs(self, value) -> list:
         if isinstance(value, str):
             items = [value]
         elif value and all(isinstance(v, int) for v in value):
@@ -81,6 +88,13 @@ class EmbeddingsRoute:
             raise RequestError("input must not be empty", param="input")
         if len(items) > MAX_INPUTS:
             raise RequestError(f"at most {MAX_INPUTS} inputs per request", param="input")
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                param = "input" if len(items) == 1 else f"input[{i}]"
+                self.tokenizer.check_prompt_chars(len(item), param)
+        return items
+
+    def _tokenize(self, items: list) -> list[np.ndarray]:
         out = []
         limit = self.routes.max_model_len
         for i, item in enumerate(items):

@@ -304,8 +304,9 @@ class EngineClient:
             opened.deadline.cancel()
         del self.streams[request_id]
         self._dequeue(request_id)
+        # Popped whether or not it finished: a stop string can match in the final output.
+        reason = self._ended_early.pop(request_id, "abort")
         if not finished:
-            reason = self._ended_early.pop(request_id, "abort")
             if self.metrics is not None:
                 self.metrics.observe_early_end(opened.clock, reason)
             if self.dead_reason is None:

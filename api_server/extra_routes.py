@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api_server.openai_routes import OpenAIRoutes, error_response, json_response
+from api_server.chat_template import template_options
+from api_server.openai_routes import OpenAIRoutes, chat_messages, error_response, json_response
 from api_server.protocol import ChatMessage, RequestError, decode_body
 
 
@@ -16,6 +19,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -46,14 +50,15 @@ class ExtraRoutes:
             if (req.prompt is None) == (req.messages is None):
                 raise RequestError("give exactly one of prompt or messages", param="prompt")
             if req.messages is not None:
-                messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None}
-                            for m in req.messages]
-                text = self.tokenizer.render_chat(
-                    messages, add_generation_prompt=req.add_generation_prompt)
-                ids = self.tokenizer.delegate.encode(text, add_special_tokens=False)
+                # The same rendering as /v1/chat/completions, so the counts agree.
+                options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
+                                           self.routes.trust_request_chat_template)
+                text = await self.tokenizer.render_prompt(chat_messages(req.messages),
+                                                          None, options)
+                ids = (await self.tokenizer.encode(text, add_special_tokens=False)).tolist()
             else:
-                ids = self.tokenizer.delegate.encode(
-                    req.prompt, add_special_tokens=req.add_special_tokens)
+                ids = (await self.tokenizer.encode(
+                    req.prompt, add_special_tokens=req.add_special_tokens)).tolist()
         except RequestError as exc:
             return error_response(exc)
         return json_response({"count": len(ids), "max_model_len": self.routes.max_model_len,
@@ -63,6 +68,9 @@ class ExtraRoutes:
         try:
             req = decode_body(await request.body(), DetokenizeRequest)
             self.routes._check_model(req.model)
+            if len(req.tokens) > 4 * self.routes.max_model_len:
+                raise RequestError(f"at most {4 * self.routes.max_model_len} tokens",
+                                   param="tokens")
             if any(not 0 <= t < self.tokenizer.vocab_size for t in req.tokens):
                 raise RequestError("tokens holds ids outside the vocabulary", param="tokens")
         except RequestError as exc:

@@ -45,34 +45,40 @@ async def stream_choice(
     stop_ids = set(ctx.sampling_params.stop_token_ids or ())
     eos_ids = set() if ctx.ignore_eos else set(ctx.eos_token_ids)
     completion_tokens = 0
-    async for output in engine.generate(ctx, timeout):
-        if output.final_status is GenerationStatus.ERROR:
-            raise GenerationError(output.error or "generation failed")
-        tokens = output.tokens
-        completion_tokens += len(tokens)
-        finish = _finish_reason(output.final_status)
-        # The token that ended generation (EOS, a stop id) is counted but not shown.
-        visible = tokens
-        if finish == "stop" and tokens and tokens[-1] in (stop_ids | eos_ids):
-            visible = tokens[:-1]
-        logprobs = None
-        if output.log_probabilities is not None:
-            logprobs = list(zip(visible, output.log_probabilities))
-        prompt_lp = output.prompt_log_probabilities
-        text = stops.push(detok.push(visible)) if visible else ""
-        if finish is not None and not stops.stopped:
-            text += stops.push(detok.flush())
-            text += stops.flush()
-        if stops.stopped:
-            # A stop string ended it: leaving the loop cancels the request in the scheduler.
-            engine.end_early(ctx.request_id, "stop")
-            yield ChoiceDelta(index, text, visible, "stop", len(prompt_ids), completion_tokens,
+    outputs = engine.generate(ctx, timeout)
+    try:
+        async for output in outputs:
+            if output.final_status is GenerationStatus.ERROR:
+                raise GenerationError(output.error or "generation failed")
+            tokens = output.tokens
+            completion_tokens += len(tokens)
+            finish = _finish_reason(output.final_status)
+            # The token that ended generation (EOS, a stop id) is counted but not shown.
+            visible = tokens
+            if finish == "stop" and tokens and tokens[-1] in (stop_ids | eos_ids):
+                visible = tokens[:-1]
+            logprobs = None
+            if output.log_probabilities is not None:
+                logprobs = list(zip(visible, output.log_probabilities))
+            prompt_lp = output.prompt_log_probabilities
+            text = stops.push(detok.push(visible)) if visible else ""
+            if finish is not None and not stops.stopped:
+                text += stops.push(detok.flush())
+                text += stops.flush()
+            if stops.stopped:
+                # A stop string ended it: leaving the loop cancels the request in the scheduler.
+                engine.end_early(ctx.request_id, "stop")
+                yield ChoiceDelta(index, text, visible, "stop", len(prompt_ids), completion_tokens,
+                                  logprobs, prompt_lp)
+                return
+            yield ChoiceDelta(index, text, visible, finish, len(prompt_ids), completion_tokens,
                               logprobs, prompt_lp)
-            return
-        yield ChoiceDelta(index, text, visible, finish, len(prompt_ids), completion_tokens,
-                          logprobs, prompt_lp)
-        if finish is not None:
-            return
+            if finish is not None:
+                return
+    finally:
+        # Closed here, not whenever the generator is collected: a request ended by a stop
+        # string is cancelled in the scheduler, and forgotten in the engine client, at once.
+        await outputs.aclose()
     raise GenerationError("the engine stream ended without a final status")
 
 

@@ -22,18 +22,19 @@ from dataclasses import dataclass
 import uvicorn
 
 from api_server.app import build_app
+from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient, EngineDeadError
 from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
 from api_server.server_state import AdmissionLimits, ServerState
 from api_server.speech_route import SpeechRoute
 from api_server.tokenizer import TextTokenizer
+from pipelines.cpu_placement import CpuPlacement
+from pipelines.lifecycle import freeze_startup_heap
 from scheduler.process import SchedulerProcessConfig, run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
 from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.bert_config import BertConfig
-from pipelines.cpu_placement import CpuPlacement
-from pipelines.lifecycle import freeze_startup_heap
 from worker.process import run_worker
 
 logger = logging.getLogger("loom")
@@ -65,6 +66,8 @@ class ServeConfig:
     step_timeout: float = 120.0
     max_queued_requests: int = 512
     max_queued_tokens: int = 1_000_000
+    max_sequences_per_request: int = 256
+    trust_request_chat_template: bool = False
     api_key: str | None = None
     max_request_bytes: int = 16 << 20
     task: str = "generate"
@@ -233,7 +236,11 @@ class Launcher:
             max_queued_tokens=cfg.max_queued_tokens, step_timeout=cfg.step_timeout))
         routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name, {cfg.model_dir},
                               max_model_len, state, cfg.request_timeout, cfg.task,
-                              embedding_dim)
+                              embedding_dim, cfg.max_sequences_per_request,
+                              cfg.trust_request_chat_template)
+        if cfg.trust_request_chat_template:
+            tokenizer.request_templates = TemplateSandbox()
+            tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request
         speech = SpeechRoute(engine, state, [], 0, metrics)
         app = build_app(state, routes, metrics, api_key=cfg.api_key,
                         max_request_bytes=cfg.max_request_bytes, speech=speech)
@@ -259,6 +266,8 @@ class Launcher:
             for task in tasks:
                 task.cancel()
             engine.close()
+            if tokenizer.request_templates is not None:
+                tokenizer.request_templates.stop()
         return self.exit_code
 
     async def _wait_ready(self, engine: EngineClient, watcher: asyncio.Task) -> None:

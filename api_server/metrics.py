@@ -11,6 +11,7 @@ Where each number comes from:
 
 from __future__ import annotations
 
+import re
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -39,6 +40,18 @@ FINISH_REASONS = {
     GenerationStatus.CANCELLED: "abort",
     GenerationStatus.ERROR: "error",
 }
+
+
+_CODE = re.compile(rb'"code":"([a-z_]{1,40})"')
+_TYPE = re.compile(rb'"type":"([a-z_]{1,40})"')
+
+
+def rejection_reason(body: bytes, status: int) -> str:
+    """The reason label of a refused request: its error body's `code`, else its `type` (all
+    our own, a bounded set); a body that has neither is labelled by the status."""
+    head = body[:4096]
+    match = _CODE.search(head) or _TYPE.search(head)
+    return match.group(1).decode() if match else f"http_{status}"
 
 
 class RequestClock:
@@ -100,6 +113,9 @@ class Metrics:
                                        ["model_name", "finished_reason"], registry=reg)
         self.http_requests = Counter("loom:http_requests", "HTTP requests by route and status.",
                                      ["handler", "method", "status"], registry=reg)
+        self.rejected_requests = Counter(
+            "loom:rejected_requests", "Requests refused with a 4xx or 503, by reason (the "
+            "error's code, else its type).", ["model_name", "reason"], registry=reg)
         self._last = SchedulerStats()
 
     # ---- scheduler stats ----------------------------------------------------------------------
@@ -167,6 +183,11 @@ class Metrics:
             async def send_wrapper(message):
                 if message["type"] == "http.response.start":
                     status["code"] = message["status"]
+                elif (message["type"] == "http.response.body" and status["code"] != 500
+                      and status["code"] >= 400 and "counted" not in status):
+                    status["counted"] = True
+                    reason = rejection_reason(message.get("body", b""), status["code"])
+                    self.rejected_requests.labels(self.model_name, reason).inc()
                 await send(message)
 
             try:

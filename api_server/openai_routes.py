@@ -13,6 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api_server.chat_template import template_options
 from api_server.engine_client import EngineClient, EngineDeadError, RequestTimeoutError
 from api_server.engine_stream_response import EngineStreamResponse
 from api_server.generation import (
@@ -26,9 +27,11 @@ from api_server.generation import (
 from api_server.logprobs_format import CompletionLogprobs, TokenText, chat_logprob_entries
 from api_server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     RequestError,
     SamplingFields,
+    check_depth,
     decode_body,
     prompts_of,
 )
@@ -67,7 +70,8 @@ class OpenAIRoutes:
     def __init__(self, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
                  model_aliases: set[str], max_model_len: int, state: ServerState,
                  request_timeout: float | None = None, task: str = "generate",
-                 embedding_dim: int | None = None) -> None:
+                 embedding_dim: int | None = None, max_sequences_per_request: int = 256,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.task = task
         self.embedding_dim = embedding_dim
@@ -77,6 +81,8 @@ class OpenAIRoutes:
         self.model_name = model_name
         self.model_aliases = model_aliases | {model_name}
         self.max_model_len = max_model_len
+        self.max_sequences_per_request = max_sequences_per_request
+        self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
         self.token_text = TokenText(tokenizer.delegate)
 
@@ -111,7 +117,6 @@ class OpenAIRoutes:
                          ) -> SamplingParams:
         temperature = 1.0 if req.temperature is None else req.temperature
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return SamplingParams(
                 top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
@@ -124,7 +129,8 @@ class OpenAIRoutes:
                 max_new_tokens=max_tokens,
                 min_new_tokens=req.min_tokens,
                 ignore_eos=req.ignore_eos,
-                stop=stop or None,
+                # Stop strings stay in this process (the detokenizer applies them): the
+                # scheduler and worker never read them.
                 stop_token_ids=self._check_token_ids(req.stop_token_ids, "stop_token_ids"),
                 seed=(seed + index) % (1 << 63),  # each choice its own stream
                 logit_bias=self._logit_bias(req.logit_bias),
@@ -133,6 +139,9 @@ class OpenAIRoutes:
             raise RequestError(str(exc), param=exc.param) from None
 
     def _response_format(self, req: SamplingFields) -> dict | None:
+        if req.response_format is not None and req.response_format.json_schema is not None:
+            check_depth(req.response_format.json_schema.schema_,
+                        "response_format.json_schema.schema")
         schema = schema_for_response_format(req.response_format)
         return None if schema is None else {"type": "json_schema", "json_schema": schema}
 
@@ -176,6 +185,16 @@ class OpenAIRoutes:
             streams.append(stream)
         return streams
 
+    def _check_sequences(self, count: int, param: str) -> None:
+        """Before anything is tokenized: the request's sequences (prompts x n) are within the
+        per-request cap and fit the queue."""
+        if count > self.max_sequences_per_request:
+            raise RequestError(
+                f"this request asks for {count} sequences (prompts x n); the server's limit is "
+                f"{self.max_sequences_per_request} (--max-sequences-per-request)", param=param,
+                code="too_many_sequences")
+        self.state.check_queue_room(count)
+
     async def _contexts(self, make_request: Callable[[int], TokenGeneratorRequest], count: int):
         contexts = [await self.tokenizer.new_context(make_request(i)) for i in range(count)]
         self.state.admit(contexts)
@@ -191,6 +210,7 @@ class OpenAIRoutes:
                 raise RequestError("suffix is not supported", param="suffix")
             self._check_engine()
             prompts = prompts_of(req)
+            self._check_sequences(len(prompts) * req.n, "n" if req.n > 1 else "prompt")
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
             if max_tokens == 0 and not req.echo:
                 raise RequestError("max_tokens=0 only makes sense with echo", param="max_tokens")
@@ -265,10 +285,11 @@ class OpenAIRoutes:
                 else req.max_tokens
             if max_tokens == 0:
                 raise RequestError("max_tokens must be at least 1", param="max_tokens")
-            messages = [msgspec.structs.asdict(m) for m in req.messages]
-            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-            options = dict(req.chat_template_kwargs or {})
-            options["add_generation_prompt"] = req.add_generation_prompt
+            self._check_sequences(req.n, "n")
+            messages = chat_messages(req.messages)
+            options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
+                                       self.trust_request_chat_template)
+            check_depth(req.tools, "tools")
             request_id = uuid.uuid4().hex
             response_format = self._response_format(req)
             tools, forced_name = check_tools(req.tools, req.tool_choice)
@@ -437,6 +458,17 @@ class OpenAIRoutes:
             return json_response(_server_error(str(exc)), status=500)
         except RequestTimeoutError as exc:
             return json_response(_timeout_error(str(exc)), status=408)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them: plain dicts, unset fields left out."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            check_depth(m.content, f"messages[{i}].content")
+        message = msgspec.structs.asdict(m)
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
 
 
 def _tool_mode(tools: list[dict], tool_choice) -> str:

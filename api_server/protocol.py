@@ -20,6 +20,18 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 
+# Request-controlled sizes that no other check bounds (the body limit aside). Each is a 400
+# naming the parameter; README's security section lists them.
+MAX_STOP_STRINGS = 16  # OpenAI takes 4, TGI 4 by default; lm-eval sends up to ~10
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's own limit is 300
+MAX_TOOLS = 128
+MAX_JSON_DEPTH = 64  # nesting of schemas, template variables, message parts
+
+StopStrings = Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)]],
+                        Meta(max_length=MAX_STOP_STRINGS)]
+
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = False
@@ -48,19 +60,19 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=128)] = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)] | StopStrings | None = None
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
     seed: int | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # Extensions, as vLLM names them.
     top_k: int | None = None
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
 
@@ -88,7 +100,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
@@ -133,9 +145,27 @@ def decode_body(body: bytes, type_: type) -> Any:
         if text.startswith("Object missing required field"):
             field = text.split("`")[1]
             param = f"{param}.{field}" if param else field
-        raise RequestError(text, param=param or None) from None
+        code = "limit_exceeded" if "length <=" in text else None
+        raise RequestError(text, param=param or None, code=code) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise RequestError("the JSON body is nested too deeply") from None
+
+
+def check_depth(value: Any, param: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON nested deeper than `max_depth`: schemas, template variables and tool
+    arguments are walked recursively further on (json.dumps, Jinja, llguidance), and a
+    RecursionError there would be a 500. Iterative, so the check itself can't overflow."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            raise RequestError(f"{param} is nested deeper than {max_depth} levels", param=param)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
 
 
 def prompts_of(request: CompletionRequest) -> list[str | list[int]]:

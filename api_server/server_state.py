@@ -45,14 +45,15 @@ class ServerState:
             return f"no step completed for {stalled:.0f}s with work queued"
         return None
 
-    def admit(self, contexts) -> None:
+    def admit(self, contexts, num_requests: int | None = None) -> None:
         """Raise a 503 or 429 RequestError unless these contexts can be accepted; if they
-        can, they count as queued from now on."""
+        can, they count as queued from now on. `num_requests`: what the request counts as
+        against the queue's request bound (default: one per context)."""
         self.check_available()
         self.engine.expire_reservations()
-        num_requests = len(contexts)
+        num_requests = len(contexts) if num_requests is None else num_requests
         prompt_tokens = sum(c.prompt_length for c in contexts)
-        self._check_queue(num_requests, prompt_tokens)
+        self.check_queue_room(num_requests, prompt_tokens)
         self.engine.reserve(contexts)
 
     def check_available(self) -> None:
@@ -61,13 +62,27 @@ class ServerState:
             raise RequestError(f"the server is not accepting requests: {reason}", status=503,
                                code="service_unavailable")
 
-    def _check_queue(self, num_requests: int, prompt_tokens: int) -> None:
+    def check_queue_room(self, num_requests: int, prompt_tokens: int = 0) -> None:
+        """Raise unless `num_requests` more requests (with `prompt_tokens` prompt tokens) fit
+        the queue bounds. Called before tokenizing with the count alone, and at admission.
+
+        A request that could not fit even an empty queue is a 400 (retrying can't help); one
+        that does not fit the queue as it is now, a 429."""
+        limits = self.limits
+        if num_requests > limits.max_queued_requests:
+            raise RequestError(
+                f"this request holds {num_requests} sequences; the server queues at most "
+                f"{limits.max_queued_requests} (--max-queued-requests)", code="too_many_sequences")
+        if prompt_tokens > limits.max_queued_tokens:
+            raise RequestError(
+                f"this request holds {prompt_tokens} prompt tokens; the server queues at most "
+                f"{limits.max_queued_tokens} (--max-queued-tokens)", code="too_many_tokens")
         queued, queued_tokens = self.engine.queued_requests, self.engine.queued_tokens
-        if queued and queued + num_requests > self.limits.max_queued_requests:
+        if queued + num_requests > limits.max_queued_requests:
             raise RequestError(
                 f"too many requests queued ({queued}); retry later", status=429,
                 code="queue_full")
-        if queued and queued_tokens + prompt_tokens > self.limits.max_queued_tokens:
+        if queued_tokens + prompt_tokens > limits.max_queued_tokens:
             raise RequestError(
                 f"too many prompt tokens queued ({queued_tokens}); retry later", status=429,
                 code="queue_full")

@@ -6,6 +6,7 @@ prompt against the model's context length and builds the TextContext sent to the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from typing import Any
@@ -13,7 +14,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from api_server.protocol import RequestError
+from api_server.chat_template import TemplateSandbox
+from api_server.protocol import RequestError, check_depth
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 
@@ -57,6 +59,14 @@ class TextTokenizer:
         self.vocab_size = len(self.delegate)
         template = self.delegate.chat_template or ""
         self.template_takes_tools = isinstance(template, str) and "tools" in template
+        # No token is longer than the longest vocabulary entry (in characters of its string
+        # form, which decodes to at most as many), so a text over this many characters can't
+        # fit the context: it is refused before the template and the tokenizer spend time on
+        # it. Twice, for normalizers that change the text's length.
+        longest = max((len(t) for t in self.delegate.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * longest * max_model_len + 1024
+        # Client-sent chat templates (--trust-request-chat-template) render here.
+        self.request_templates: TemplateSandbox | None = None
 
     def warm_up(self) -> None:
         """Compile the chat template and run the tokenizer once, so the first request does not
@@ -77,22 +87,34 @@ class TextTokenizer:
         return False
 
     async def encode(self, prompt: str, add_special_tokens: bool = False) -> np.ndarray:
-        ids = self.delegate.encode(prompt, add_special_tokens=add_special_tokens)
+        self.check_prompt_chars(len(prompt), "prompt")
+        if len(prompt) > INLINE_TOKENIZE_CHARS:  # ~10+ ms: not on the event loop
+            ids = await asyncio.to_thread(self.delegate.encode, prompt,
+                                          add_special_tokens=add_special_tokens)
+        else:
+            ids = self.delegate.encode(prompt, add_special_tokens=add_special_tokens)
         return np.asarray(ids, dtype=np.int64)
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise RequestError(
+                f"the prompt is {num_chars} characters long, more than this model's context "
+                f"of {self.max_model_len} tokens can hold", param=param,
+                code="context_length_exceeded")
 
     async def decode(self, context: TextContext, encoded: Any, **kwargs: Any) -> str:
         return self.delegate.decode(encoded, **kwargs)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, **template_kwargs: Any) -> str:
-        if not messages:
-            raise RequestError("messages must not be empty", param="messages")
+        """Render with the checkpoint's own template (trusted), on the calling thread."""
+        messages = self._checked_messages(messages)
         if self.delegate.chat_template is None:
             raise RequestError("this model has no chat template; use /v1/completions",
                                param="messages")
         try:
             return self.delegate.apply_chat_template(
-                [_flatten_content(m) for m in messages], tools=tools, tokenize=False,
+                messages, tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **template_kwargs,
             )
         except RequestError:
@@ -101,10 +123,35 @@ class TextTokenizer:
             raise RequestError(f"the chat template could not render the messages: {exc}",
                                param="messages") from None
 
+    async def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                            options: dict[str, Any] | None = None) -> str:
+        """The prompt text of a conversation: the checkpoint's template, or a template the
+        request sent (only present in `options` when the operator allowed it), which renders
+        in the sandbox process."""
+        options = dict(options or {})
+        template = options.pop("chat_template", None)
+        if template is None:
+            return self.render_chat(messages, tools=tools, **options)
+        if self.request_templates is None:
+            raise RequestError("this server does not render chat templates sent in requests",
+                               param="chat_template_kwargs.chat_template")
+        messages = self._checked_messages(messages)
+        variables = {**self.delegate.special_tokens_map, **options}
+        return await self.request_templates.render(template, messages, tools, variables)
+
+    def _checked_messages(self, messages: list[dict]) -> list[dict]:
+        if not messages:
+            raise RequestError("messages must not be empty", param="messages")
+        messages = [_flatten_content(m) for m in messages]
+        chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0
+                    for m in messages)
+        self.check_prompt_chars(chars, "messages")
+        return messages
+
     async def new_context(self, request: TokenGeneratorRequest) -> TextContext:
         if request.messages is not None:
-            text = self.render_chat(list(request.messages), tools=request.tools,
-                                    **(request.chat_template_options or {}))
+            text = await self.render_prompt(list(request.messages), request.tools,
+                                            request.chat_template_options)
             ids = await self.encode(text, add_special_tokens=False)
         elif isinstance(request.prompt, str):
             ids = await self.encode(request.prompt, add_special_tokens=True)
@@ -149,6 +196,11 @@ class TextTokenizer:
         )
 
 
+# Longer prompts are tokenized on a worker thread (the tokenizer releases the GIL), so a
+# megabyte of text doesn't hold up every other client's stream.
+INLINE_TOKENIZE_CHARS = 32_768
+
+
 def _flatten_content(message: dict) -> dict:
     """Chat templates expect string content: join a list of text parts."""
     content = message.get("content")
@@ -163,11 +215,23 @@ def _flatten_content(message: dict) -> dict:
         message = {**message, "content": "".join(texts)}
     elif content is None:
         message = {**message, "content": ""}
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function") or {}
-        if isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except ValueError:
-                pass
+    calls = message.get("tool_calls")
+    if calls:
+        message = {**message, "tool_calls": [_parsed_arguments(c, i) for i, c in enumerate(calls)]}
     return message
+
+
+def _parsed_arguments(call: dict, index: int) -> dict:
+    """Templates render a call's arguments as a mapping; OpenAI clients send JSON text."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError("each tool call needs a function with a name",
+                           param=f"messages.tool_calls[{index}].function")
+    if isinstance(fn.get("arguments"), str):
+        try:
+            arguments = json.loads(fn["arguments"])
+        except (ValueError, RecursionError):
+            arguments = fn["arguments"]  # not JSON: the template gets the text
+        check_depth(arguments, f"messages.tool_calls[{index}].function.arguments")
+        fn = {**fn, "arguments": arguments}
+    return {**call, "function": fn}

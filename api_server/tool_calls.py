@@ -36,7 +36,7 @@ def check_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict],
     names = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function" \
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError("each tool needs type 'function' and a function name",
                                param=f"tools[{i}]")
@@ -51,8 +51,9 @@ def check_tools(tools: list[dict] | None, tool_choice: Any) -> tuple[list[dict],
             raise RequestError("tool_choice 'required' needs tools", param="tool_choice")
         return tools, None
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
-        if name not in names:
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in names:
             raise RequestError(f"tool_choice names an unknown function {name!r}",
                                param="tool_choice")
         return tools, name

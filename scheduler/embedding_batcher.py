@@ -21,8 +21,8 @@ class EmbeddingBatcher:
     def add(self, ctx: EmbeddingsContext) -> None:
         self.waiting.append(ctx)
 
-    def abort(self, request_id: str) -> None:
-        self.waiting = deque(c for c in self.waiting if c.request_id != request_id)
+    def abort(self, request_ids: set[str]) -> None:
+        self.waiting = deque(c for c in self.waiting if c.request_id not in request_ids)
 
     def next_batch(self) -> list[EmbeddingsContext]:
         batch: list[EmbeddingsContext] = []

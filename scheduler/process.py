@@ -182,11 +182,11 @@ class SchedulerLoop:
                 break
             msg = decode_or_drop(self.decode_cancel, frame, "cancel")
             if msg is not None:
-                for request_id in msg.request_ids:
-                    sched.abort(request_id)
-                    if self.embedder is not None:
-                        self.embedder.abort(request_id)
-                    self.speech.abort(request_id)
+                ids = set(msg.request_ids)
+                sched.abort(msg.request_ids)
+                if self.embedder is not None:
+                    self.embedder.abort(ids)
+                self.speech.abort(ids)
 
     def _drain_results(self) -> None:
         while True:
@@ -281,8 +281,7 @@ class SchedulerLoop:
         chunk = AudioChunk(request_id=ctx.request_id, audio=result.audio,
                            index=inflight.index, is_last=ctx.is_done or failed,
                            synthesis_seconds=seconds, error=result.error)
-        if not failed:
-            self.speech.put_back(ctx)
+        self.speech.put_back(ctx, failed)
         self._drain_inputs()
         self._start_next_step()
         self.responses.send(self.encode(ResponseBatch(outputs=[], audio=[chunk])))

@@ -82,21 +82,34 @@ class Scheduler:
         self.timings[ctx.request_id] = RequestTimings(arrival=time.monotonic())
         self.waiting.append(ctx)
 
-    def abort(self, request_id: str) -> bool:
-        ctx = self.requests.get(request_id)
-        if ctx is None:
-            return False
-        ctx.status = GenerationStatus.CANCELLED
-        self._finish(ctx)
-        return True
+    def abort(self, request_ids: str | list[str]) -> int:
+        """Cancel requests; returns how many were still known. The queues are filtered once
+        for all of them: a request of many prompts or choices cancels its hundreds of
+        sequences at once, and one scan each would make that quadratic."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        aborted = {}
+        for request_id in request_ids:
+            ctx = self.requests.get(request_id)
+            if ctx is not None:
+                aborted[id(ctx)] = ctx
+        for ctx in aborted.values():
+            ctx.status = GenerationStatus.CANCELLED
+            self._finish(ctx, dequeue=False)
+        if aborted:
+            self.running = [c for c in self.running if id(c) not in aborted]
+            self.waiting = deque(c for c in self.waiting if id(c) not in aborted)
+        return len(aborted)
 
-    def _finish(self, ctx: TextContext) -> RequestTimings | None:
+    def _finish(self, ctx: TextContext, dequeue: bool = True) -> RequestTimings | None:
         self.requests.pop(ctx.request_id, None)
         timings = self.timings.pop(ctx.request_id, None)
         self._prompt_logprobs.pop(ctx.request_id, None)
         if timings is not None:
             timings.finished = time.monotonic()
-        if ctx in self.running:
+        if not dequeue:
+            pass  # the caller filters the queues
+        elif ctx in self.running:
             self.running.remove(ctx)
         elif ctx in self.waiting:
             self.waiting.remove(ctx)

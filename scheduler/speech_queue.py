@@ -16,7 +16,8 @@ class SpeechQueue:
     def __init__(self) -> None:
         self.fresh: deque[TTSContext] = deque()
         self.started: deque[TTSContext] = deque()
-        self.cancelled: set[str] = set()  # aborted while a segment of theirs was running
+        self.running: str | None = None  # the request whose segment the worker runs now
+        self.cancelled = False  # ...and it was aborted meanwhile: don't put it back
 
     @property
     def has_work(self) -> bool:
@@ -28,19 +29,24 @@ class SpeechQueue:
     def add(self, ctx: TTSContext) -> None:
         self.fresh.append(ctx)
 
-    def abort(self, request_id: str) -> None:
-        before = len(self)
-        self.fresh = deque(c for c in self.fresh if c.request_id != request_id)
-        self.started = deque(c for c in self.started if c.request_id != request_id)
-        if len(self) == before:
-            self.cancelled.add(request_id)
+    def abort(self, request_ids: set[str]) -> None:
+        """Drop these requests (any id that is not a speech request is ignored: the
+        cancellation channel carries every kind)."""
+        if self.running in request_ids:
+            self.cancelled = True
+        if self:
+            self.fresh = deque(c for c in self.fresh if c.request_id not in request_ids)
+            self.started = deque(c for c in self.started if c.request_id not in request_ids)
 
     def take(self) -> TTSContext:
         """The request whose next segment runs now (put it back with `put_back`)."""
-        return self.fresh.popleft() if self.fresh else self.started.popleft()
+        ctx = self.fresh.popleft() if self.fresh else self.started.popleft()
+        self.running, self.cancelled = ctx.request_id, False
+        return ctx
 
-    def put_back(self, ctx: TTSContext) -> None:
-        if ctx.request_id in self.cancelled:
-            self.cancelled.discard(ctx.request_id)
-        elif not ctx.is_done:
+    def put_back(self, ctx: TTSContext, failed: bool = False) -> None:
+        """Its segment is done: back in line unless it finished, failed or was aborted."""
+        cancelled = self.cancelled and self.running == ctx.request_id
+        self.running, self.cancelled = None, False
+        if not (cancelled or failed or ctx.is_done):
             self.started.append(ctx)

@@ -136,3 +136,23 @@ def test_stream_response_withdraws_when_the_client_left_before_the_body(tmp_path
         assert aborted(engine.metrics) == 1
 
     run(tmp_path, scenario)
+
+
+def test_a_stop_string_in_the_final_output_leaves_no_entry_behind(tmp_path):
+    from api_server.generation import stream_choice
+
+    class Chars:  # a tokenizer whose token i is the character chr(i)
+        def decode(self, ids, **kwargs):
+            return "".join(chr(i) for i in ids)
+
+    async def scenario(engine, scheduler):
+        ctx = context("final")
+        await engine.submit(ctx)
+        scheduler.requests_received()
+        scheduler.reply(TextGenerationOutput("final", [ord("o"), ord("k")],
+                                             GenerationStatus.MAXIMUM_LENGTH))
+        deltas = [d async for d in stream_choice(engine, ctx, Chars(), 0, ["k"], True)]
+        assert [(d.text, d.finish_reason) for d in deltas] == [("o", "stop")]
+        assert engine._ended_early == {} and engine.streams == {}
+
+    run(tmp_path, scenario)

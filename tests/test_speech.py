@@ -147,3 +147,22 @@ def test_speech_and_text_together(server):
     assert all(r.status_code == 200 for r in results)
     assert all(len(r.content) > 22050 for r in results[:2])
     assert all(r.json()["usage"]["completion_tokens"] == 64 for r in results[2:])
+
+
+def test_speech_queue_forgets_cancellations_of_other_requests():
+    """The cancel channel carries text and embeddings ids too: they must leave no trace."""
+    import numpy as np
+
+    from pipelines.tts_context import TTSContext
+    from scheduler.speech_queue import SpeechQueue
+
+    queue = SpeechQueue()
+    for i in range(100_000):
+        queue.abort({f"text-{i}"})
+    assert queue.running is None and not queue.cancelled and len(queue) == 0
+    ctx = TTSContext(request_id="s", voice="v", segments=[np.arange(3), np.arange(3)])
+    queue.add(ctx)
+    assert queue.take() is ctx
+    queue.abort({"s"})  # aborted while its segment runs: not put back
+    queue.put_back(ctx)
+    assert not queue.has_work and queue.running is None and not queue.cancelled
