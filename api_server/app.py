@@ -35,6 +35,11 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
         return json_response({"status": "unhealthy", "reason": reason}, status=503,
                              headers={"Retry-After": "1"})
 
+    async def live(request: Request) -> Response:
+        # Liveness: answered by the event loop itself, whatever the engine is doing (loading,
+        # draining, dead): a probe that fails here means this process is stuck, not just busy.
+        return json_response({"status": "alive"})
+
     async def version(request: Request) -> Response:
         return json_response({"version": VERSION})
 
@@ -58,6 +63,7 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
+            Route("/live", live, methods=["GET"]),
             Route("/version", version, methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health and "
                         "/metrics; the LOOM_API_KEY environment variable also sets it")
+    s.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve on a non-loopback --host without an API key (refused otherwise: "
+                        "anyone who can reach the port could use the model)")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
     return parser
@@ -117,6 +120,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_sequences_per_request=args.max_sequences_per_request,
         trust_request_chat_template=args.trust_request_chat_template,
         api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
+        allow_unauthenticated=args.allow_unauthenticated,
         task=resolve_task(args.task, model_dir), speech=not args.no_speech,
         speech_noise=not args.deterministic_speech,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import multiprocessing
 import os
@@ -69,10 +70,31 @@ class ServeConfig:
     max_sequences_per_request: int = 256
     trust_request_chat_template: bool = False
     api_key: str | None = None
+    allow_unauthenticated: bool = False
     max_request_bytes: int = 16 << 20
     task: str = "generate"
     speech: bool = True
     speech_noise: bool = True
+
+
+def check_exposure(cfg: ServeConfig) -> None:
+    """Refuse to serve other machines without an API key, unless asked to: a server bound to
+    0.0.0.0 by habit (or by a container's defaults) would otherwise be open to its network."""
+    if cfg.api_key or cfg.allow_unauthenticated or is_loopback(cfg.host):
+        return
+    raise StartupError(f"--host {cfg.host} is reachable from other machines and no API key is "
+                       f"set: pass --api-key (or set LOOM_API_KEY), or --allow-unauthenticated "
+                       f"to serve without one")
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost; anything else (0.0.0.0, names) may face a network."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -311,6 +333,7 @@ def _event_loop_factory():
 
 def serve(cfg: ServeConfig) -> int:
     try:
+        check_exposure(cfg)
         listen_socket = bind_listen_socket(cfg.host, cfg.port)
     except StartupError as exc:
         print(f"loom: error: {exc}", file=sys.stderr, flush=True)

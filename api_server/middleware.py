@@ -9,7 +9,7 @@ import msgspec
 _json = msgspec.json.Encoder()
 
 # Routes that stay open without a key: load balancers and Prometheus must reach them.
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/live", "/metrics", "/openapi.json"})
 
 
 async def _send_error(send, status: int, message: str, type_: str, code: str,
@@ -66,7 +66,7 @@ def limit_body_size(app, max_bytes: int):
 
 
 def require_api_key(app, api_key: str):
-    """Every route but /health and /metrics needs `Authorization: Bearer <key>`."""
+    """Every route but PUBLIC_PATHS needs `Authorization: Bearer <key>`."""
     expected = f"Bearer {api_key}".encode()
 
     async def middleware(scope, receive, send):

@@ -87,6 +87,7 @@ def build_openapi(version: str) -> dict:
             "/v1/models": _get("Served models"),
             "/v1/models/{model}": model_get,
             "/health": _get("200 when ready to serve, 503 otherwise", errors=(503,)),
+            "/live": _get("200 while the API process's event loop runs (liveness)", errors=()),
             "/version": _get("Server version"),
             "/metrics": _get("Prometheus metrics", content_type="text/plain", errors=()),
         },

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers import ROOT, pid_alive, start_server, wait_gone
 
 LOOM = [sys.executable, "-m", "api_server.cli"]
@@ -22,8 +24,36 @@ def test_help_documents_every_flag():
     out = run("serve", "--help").stdout
     for flag in ("--host", "--port", "--model", "--max-num-seqs", "--max-num-batched-tokens",
                  "--kv-cache-memory", "--log-level", "--dtype", "--max-model-len",
-                 "--served-model-name", "--block-size", "--no-prefix-caching"):
+                 "--served-model-name", "--block-size", "--no-prefix-caching",
+                 "--allow-unauthenticated"):
         assert flag in out
+
+
+def test_network_facing_host_needs_an_api_key(tiny_model_dir):
+    env = {k: v for k, v in ENV.items() if k != "LOOM_API_KEY"}
+    started = time.monotonic()
+    r = subprocess.run(LOOM + ["serve", "--model", tiny_model_dir, "--host", "0.0.0.0",
+                               "--port", "0"], capture_output=True, text=True, timeout=30,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("loom: error: --host 0.0.0.0") and r.stderr.count("\n") == 1
+    assert "--api-key" in r.stderr and "--allow-unauthenticated" in r.stderr
+    assert time.monotonic() - started < 15  # refused before any model is loaded
+
+
+def test_which_hosts_count_as_loopback():
+    from api_server.launcher import ServeConfig, StartupError, check_exposure, is_loopback
+
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "", "10.0.0.5", "192.168.1.1", "example.com",
+                 "::ffff:1.2.3.4"):
+        assert not is_loopback(host), host
+    cfg = ServeConfig(model_dir="m", served_model_name="m", host="0.0.0.0")
+    with pytest.raises(StartupError):
+        check_exposure(cfg)
+    for allowed in (dict(api_key="k"), dict(allow_unauthenticated=True), dict(host="::1")):
+        check_exposure(ServeConfig(**{**cfg.__dict__, **allowed}))
 
 
 def test_wrong_model_path_is_one_clear_line(tmp_path):

@@ -103,10 +103,12 @@ def test_sigterm_drains_in_flight_then_exits_zero(tiny_model_dir):
                     break
                 await asyncio.sleep(0.01)
             fresh = (await client.post(srv.url + COMP, json={"prompt": "x", "max_tokens": 2}))
-            return fresh, health, await asyncio.gather(*streams)
+            live = await client.get(srv.url + "/live")  # (draining is alive: no restart)
+            return fresh, health, live, await asyncio.gather(*streams)
 
-    fresh, health, results = asyncio.run(scenario())
+    fresh, health, live, results = asyncio.run(scenario())
     assert health == 503
+    assert live.status_code == 200 and live.json() == {"status": "alive"}
     assert fresh.status_code == 503 and "retry-after" in fresh.headers
     assert results == ["done"] * 3
     assert srv.proc.wait(timeout=30) == 0
@@ -289,6 +291,7 @@ def test_api_key(tiny_model_dir):
     try:
         assert httpx.get(srv.url + "/health").status_code == 200
         assert httpx.get(srv.url + "/metrics").status_code == 200
+        assert httpx.get(srv.url + "/live").json() == {"status": "alive"}  # (probes: no key)
         r = httpx.get(srv.url + "/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         bad = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})

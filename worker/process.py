@@ -71,6 +71,9 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
         results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.5)  # let the message leave before the process exits
         sys.exit(1)
+    from worker.kernels import startup_summary
+
+    logger.log(*startup_summary())  # (one line: which kernels run, or why PyTorch's path does)
     ready = _ready_message(runner, runner_config.task)
     if speech is not None:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate

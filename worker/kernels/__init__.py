@@ -1,23 +1,51 @@
 """Small native kernels, built on first use with the system C compiler and loaded with ctypes.
 
-No torch headers, so a build takes about a second; the library is cached by source hash and CPU.
-Without a compiler, callers fall back to the portable PyTorch path.
+No torch headers, so a build takes about a second; the library is cached by source hash and
+target CPU. Without a compiler, callers fall back to the portable PyTorch path.
+
+A cached library is code this process will run, so it is only loaded from a directory nobody
+else can write into: loom creates its cache directories 0700, and refuses (with a warning) a
+library not owned by this user (or root), writable by group or others, or in a directory that
+others can write; it then builds a fresh copy in a private temporary directory.
+
+`LOOM_KERNEL_MARCH` (default `native`) is the `-march` the kernels are built for: an image
+builds them once for a stated baseline (e.g. `x86-64-v3`) and ships them without a compiler;
+on a CPU below that baseline they are rebuilt for the CPU at hand (or PyTorch runs).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+import time
 
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _loaded: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
+# How each library of this process was obtained ("cached", "built") or why it is missing:
+# what the start-up log line (`startup_summary`) reports.
+_outcomes: dict[tuple[str, tuple[str, ...]], str] = {}
+_build_seconds = [0.0]
+_places: set[str] = set()  # the directories the loaded libraries came from
+_private_dir: list[str] = []
+_warned: set[str] = set()
+
+# The CPU flags (as /proc/cpuinfo names them) each x86-64 micro-architecture level needs: a
+# library built for a level must not be loaded on a CPU without them (SIGILL mid-request).
+_X86_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+_X86_V3 = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_MARCH_FLAGS = {"x86-64": set(), "x86-64-v2": _X86_V2, "x86-64-v3": _X86_V3,
+                "x86-64-v4": _X86_V4}
 
 
 def _cache_dir() -> str:
@@ -34,22 +62,113 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return _loaded[key]
     if os.environ.get("LOOM_DISABLE_KERNELS"):
         _loaded[key] = None
+        _outcomes[key] = "disabled by LOOM_DISABLE_KERNELS"
         return None
-    source = os.path.join(_HERE, f"{name}.c")
+    march = _target_march()
     # Every source of the directory is part of the key (a kernel may #include another), and
-    # so is the CPU: -march=native code built on another one (a shared home directory) could
-    # use instructions this one lacks.
-    digest = hashlib.sha256(_sources_digest() + _cpu_identity() + repr(defines).encode())
-    digest = digest.hexdigest()
-    target = os.path.join(_cache_dir(), f"{name}-{digest[:16]}.so")
+    # so is the target: -march=native code built on another CPU (a shared home directory)
+    # could use instructions this one lacks.
+    digest = hashlib.sha256(_sources_digest() + _target_identity(march) + repr(defines).encode())
+    filename = f"{name}-{digest.hexdigest()[:16]}.so"
     try:
-        if not os.path.exists(target):
-            _compile(source, target, defines)
+        target = os.path.join(_library_dir(), filename)
+        if os.path.exists(target) and not _trusted_file(target):
+            target = os.path.join(_private_build_dir(), filename)
+        if os.path.exists(target):
+            _outcomes[key] = "cached"
+        else:
+            if not os.access(os.path.dirname(target), os.W_OK | os.X_OK):
+                # A read-only cache (an image's prebuilt kernels on a read-only root file
+                # system) that lacks this one: build it privately.
+                target = os.path.join(_private_build_dir(), filename)
+            started = time.monotonic()
+            _compile(os.path.join(_HERE, f"{name}.c"), target, defines, march)
+            _build_seconds[0] += time.monotonic() - started
+            _outcomes[key] = "built"
         _loaded[key] = ctypes.CDLL(target)
+        _places.add(os.path.dirname(target))
     except (OSError, subprocess.CalledProcessError) as exc:
-        logger.warning("native kernel %s unavailable (%s); using the PyTorch path", name, exc)
+        # (Reported once for all kernels by `startup_summary`: one line, not one per kernel.)
+        reason = _failure_reason(exc)
+        logger.debug("native kernel %s unavailable (%s); using the PyTorch path", name, reason)
+        _outcomes[key] = reason
         _loaded[key] = None
     return _loaded[key]
+
+
+def startup_summary() -> tuple[int, str]:
+    """(log level, one line) saying which native kernels this process runs and where they came
+    from, or why it runs PyTorch's path instead."""
+    if not _outcomes:
+        return logging.INFO, "native kernels: none used"
+    failed = {name: why for (name, _), why in _outcomes.items() if why not in ("cached", "built")}
+    if len(failed) == len(_outcomes):
+        level = logging.INFO if os.environ.get("LOOM_DISABLE_KERNELS") else logging.WARNING
+        return level, f"native kernels: fallback to PyTorch: {_first(failed)}"
+    built = sum(why == "built" for why in _outcomes.values())
+    cached = sum(why == "cached" for why in _outcomes.values())
+    simd = _gemm_simd()
+    parts = [f"packed GEMM {simd}"] if simd else []
+    if built:
+        parts.append(f"{built} built in {_build_seconds[0]:.1f}s")
+    if cached:
+        parts.append(f"{cached} loaded from cache")
+    line = (f"native kernels: {', '.join(parts)} (-march={_target_march()}, "
+            f"in {' and '.join(sorted(_places))})")
+    if failed:
+        return logging.WARNING, (f"{line}; fallback to PyTorch for {', '.join(sorted(failed))}: "
+                                 f"{_first(failed)}")
+    return logging.INFO, line
+
+
+def kernel_names() -> list[str]:
+    """Every kernel of this directory (what an image builds ahead of time)."""
+    return sorted(f[:-2] for f in os.listdir(_HERE) if f.endswith(".c"))
+
+
+def _gemm_simd() -> str | None:
+    """The instruction set the packed GEMM was compiled for, told by its panel width (two
+    vectors): what decides its speed, so what a user wants to see at start-up."""
+    lib = _loaded.get(("packed_linear", ()))
+    if lib is None:
+        return None
+    lanes = lib.loom_linear_panel_width() // 2
+    if lanes == 16:
+        return "AVX-512"
+    if lanes == 8:
+        return "AVX2" if "avx2" in _cpu_flags() else "AVX"
+    return "NEON" if platform.machine() in ("aarch64", "arm64") else "SSE"
+
+
+def _first(failed: dict[str, str]) -> str:
+    return failed[sorted(failed)[0]]
+
+
+def _failure_reason(exc: Exception) -> str:
+    if isinstance(exc, subprocess.CalledProcessError):
+        err = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
+        return f"the C compiler failed: {err[-1] if err else exc}"
+    return str(exc)
+
+
+def _target_march() -> str:
+    """LOOM_KERNEL_MARCH, unless this CPU lacks what that target needs: then native."""
+    march = os.environ.get("LOOM_KERNEL_MARCH") or "native"
+    if march not in _MARCH_FLAGS:  # native, or a target we cannot check: the user's call
+        return march
+    missing = _MARCH_FLAGS[march] - _cpu_flags()
+    if missing or platform.machine() not in ("x86_64", "AMD64"):
+        _warn_once(f"march:{march}", "LOOM_KERNEL_MARCH=%s does not fit this CPU (lacks %s): "
+                   "building the kernels for it instead (-march=native)", march,
+                   " ".join(sorted(missing)) or "x86-64")
+        return "native"
+    return march
+
+
+def _target_identity(march: str) -> bytes:
+    if march != "native":  # built for a stated baseline: the same library fits every CPU
+        return f"march={march}".encode()
+    return _cpu_identity()
 
 
 def _sources_digest() -> bytes:
@@ -71,19 +190,123 @@ def _cpu_identity() -> bytes:
         return b""
 
 
-def _compile(source: str, target: str, defines: tuple[str, ...] = ()) -> None:
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# -- where libraries live, and whether one may be trusted --------------------------------------
+
+
+def _library_dir() -> str:
+    """The shared cache directory, if it is safe to load code from (and to build into when
+    it is writable); otherwise this process's private directory."""
+    path = _cache_dir()
+    try:
+        _make_private_dirs(path)
+    except OSError as exc:
+        return _fall_back(path, f"cannot create it ({exc.strerror})")
+    problem = _directory_problem(path)
+    if problem is not None:
+        return _fall_back(path, problem)
+    return path
+
+
+def _fall_back(path: str, problem: str) -> str:
+    _warn_once(f"dir:{path}", "not loading native kernels from %s: %s; building them in a "
+               "private directory instead", path, problem)
+    return _private_build_dir()
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create `path` and its missing parents 0700 (os.makedirs's mode covers only the last)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # another process made it meanwhile
+            pass
+
+
+def _directory_problem(path: str) -> str | None:
+    """Why code in `path` could have been written by someone else, or None. The directory
+    itself must not be writable by others; its ancestors must not let others rename it
+    (writable by others without the sticky bit, as /tmp has); all owned by us or root."""
+    current = os.path.realpath(path)
+    first = True
+    while True:
+        st = os.stat(current)
+        if st.st_uid not in (os.geteuid(), 0):
+            return f"{current} is owned by uid {st.st_uid}"
+        if st.st_mode & stat.S_IWOTH and (first or not st.st_mode & stat.S_ISVTX):
+            return f"{current} is writable by others"
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current, first = parent, False
+
+
+def _trusted_file(path: str) -> bool:
+    st = os.stat(path)
+    if st.st_uid not in (os.geteuid(), 0):
+        problem = f"owned by uid {st.st_uid}"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    elif not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file"
+    else:
+        return True
+    logger.warning("refusing cached native kernel %s: %s; rebuilding it in a private "
+                   "directory", path, problem)
+    return False
+
+
+def _private_build_dir() -> str:
+    """A directory of this process only (mkdtemp: 0700), removed at exit."""
+    if not _private_dir:
+        path = tempfile.mkdtemp(prefix="loom-kernels-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _private_dir.append(path)
+    return _private_dir[0]
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def _compile(source: str, target: str, defines: tuple[str, ...] = (),
+             march: str = "native") -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise OSError("no C compiler found")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+        raise OSError("no C compiler found (install gcc, or set CC)")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
     try:
         # -ffast-math lets the dot products vectorise (reassociated sums); -march=native uses
-        # the machine's SIMD width. The library is cached per machine, never shipped.
-        subprocess.run([compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared",
-                        "-fPIC", *(f"-D{d}" for d in defines), source, "-o", tmp, "-lm"],
-                       check=True, capture_output=True)
+        # the machine's SIMD width (or LOOM_KERNEL_MARCH's, for a library built to ship).
+        try:
+            subprocess.run([compiler, "-O3", f"-march={march}", "-ffast-math", "-fopenmp",
+                            "-shared", "-fPIC", *(f"-D{d}" for d in defines), source, "-o",
+                            tmp, "-lm"], check=True, capture_output=True)
+        except FileNotFoundError as exc:  # CC names a compiler that is not there
+            raise OSError(f"cannot run the C compiler {compiler}: {exc.strerror}") from None
+        # The linker creates its output with the umask's mode: a group-writable umask would
+        # make the library one the next start refuses.
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -1,0 +1,131 @@
+"""The kernel cache runs only code this user (or root) wrote: its directories are created 0700,
+and a library someone else could have written is refused, never loaded.
+
+Each case runs in a fresh process (the loader keeps what it loaded) on the smallest kernel. A
+planted library is real code whose constructor leaves a marker file, so "not loaded" means its
+code did not run, and a control case shows the same library does run once it is trustworthy."""
+
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.skipif(
+    not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
+    reason="no C compiler")
+
+KERNEL = "layer_ops"
+LOAD = ("import sys, worker.kernels as k; lib = k.load_kernel(sys.argv[1]); "
+        "print(lib._name if lib else None); print(k.startup_summary()[1])")
+
+
+def load(cache, **env):
+    """(path of the library loaded or None, start-up summary line, stderr) in a fresh process."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("LOOM_DISABLE_KERNELS", "LOOM_KERNEL_MARCH", "LOOM_CACHE_DIR")}
+    r = subprocess.run([sys.executable, "-c", LOAD, KERNEL], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60,
+                       env=dict(clean, PYTHONPATH=ROOT, LOOM_CACHE_DIR=str(cache), **env))
+    assert r.returncode == 0, r.stderr
+    path, summary = r.stdout.strip().splitlines()
+    return (None if path == "None" else path), summary, r.stderr
+
+
+def plant(path, marker):
+    """Compile, at `path`, a library whose load creates `marker`."""
+    source = path.parent / "planted.c"
+    source.write_text('#include <fcntl.h>\n#include <unistd.h>\n'
+                      '__attribute__((constructor)) static void planted(void) '
+                      f'{{ close(open("{marker}", O_CREAT | O_WRONLY, 0600)); }}\n')
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+    source.unlink()
+
+
+@pytest.fixture
+def cached(tmp_path):
+    """(cache root, the path of the kernel's library in it) after a first, ordinary build."""
+    cache = tmp_path / "cache"
+    path, _, _ = load(cache)
+    assert path and path.startswith(str(cache / "kernels") + os.sep)
+    return cache, path
+
+
+def test_cache_directories_are_created_private(tmp_path):
+    cache = tmp_path / "new" / "loom"
+    path, summary, _ = load(cache)
+    assert os.path.dirname(path) == str(cache / "kernels")
+    for directory in (tmp_path / "new", cache, cache / "kernels"):
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700, directory
+    assert not os.stat(path).st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    assert summary.startswith("native kernels:") and "1 built" in summary
+
+
+def test_world_writable_library_is_not_loaded(cached, tmp_path):
+    cache, path = cached
+    marker = tmp_path / "planted-code-ran"
+    os.unlink(path)
+    plant(tmp_path / "planted.so", marker)
+    shutil.move(tmp_path / "planted.so", path)
+    os.chmod(path, 0o666)
+    loaded, _, err = load(cache)
+    assert not marker.exists()
+    assert "refusing cached native kernel" in err and "writable by group or others" in err
+    assert loaded and loaded != path  # rebuilt privately, and it works
+    # Control: the same file, no longer writable by others, is loaded (so the mode was what
+    # kept it out, not a mistake in the planted library).
+    os.chmod(path, 0o755)
+    assert load(cache)[0] == path and marker.exists()
+
+
+def test_directory_writable_by_others_is_not_trusted(cached, tmp_path):
+    cache, path = cached
+    marker = tmp_path / "planted-code-ran"
+    os.unlink(path)
+    plant(tmp_path / "planted.so", marker)
+    shutil.move(tmp_path / "planted.so", path)
+    os.chmod(path, 0o755)
+    os.chmod(cache / "kernels", 0o777)
+    loaded, _, err = load(cache)
+    assert not marker.exists()
+    assert "writable by others" in err
+    assert loaded and not loaded.startswith(str(cache))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_library_of_another_user_is_not_loaded(cached, tmp_path):
+    cache, path = cached
+    os.chown(path, 54321, 54321)
+    loaded, _, err = load(cache)
+    assert "owned by uid 54321" in err
+    assert loaded and loaded != path
+
+
+def test_cached_library_loads_without_a_compiler(cached):
+    cache, path = cached
+    loaded, summary, _ = load(cache, CC="/nonexistent/cc")
+    assert loaded == path and "1 loaded from cache" in summary
+
+
+def test_no_compiler_is_one_clear_fallback_line(tmp_path):
+    loaded, summary, _ = load(tmp_path / "cache", CC="/nonexistent/cc")
+    assert loaded is None
+    assert summary == ("native kernels: fallback to PyTorch: cannot run the C compiler "
+                       "/nonexistent/cc: No such file or directory")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 baselines")
+def test_baseline_build_is_found_by_any_cpu_of_that_baseline(tmp_path):
+    """An image builds for LOOM_KERNEL_MARCH (keyed by it, not by the build machine's CPU) and
+    the final stage, without a compiler, loads it."""
+    cache = tmp_path / "cache"
+    built, summary, _ = load(cache, LOOM_KERNEL_MARCH="x86-64")
+    assert "-march=x86-64," in summary
+    loaded, summary, _ = load(cache, LOOM_KERNEL_MARCH="x86-64", CC="/nonexistent/cc")
+    assert loaded == built and "loaded from cache" in summary

@@ -1,0 +1,72 @@
+"""`pip install .` ships what the fast path needs: the wheel carries the C kernel sources, and an
+installed copy (not the source tree) compiles and loads every kernel.
+
+The wheel is built from a copy of the package files, so the shared source tree gets no build/
+directory, and the installed copy runs with `python -S` (no site-packages, so not the editable
+install either) from a directory outside both."""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.helpers import ROOT
+
+PACKAGES = ("api_server", "scheduler", "worker", "serialization", "pipelines")
+KERNEL_SOURCES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "worker",
+                                                                            "kernels", "*.[ch]")))
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(the wheel, a --target directory the wheel was installed into)."""
+    tmp = tmp_path_factory.mktemp("packaging")
+    src = tmp / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
+    for package in PACKAGES:
+        shutil.copytree(os.path.join(ROOT, package), src / package, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
+                          str(src)], check=True, capture_output=True, timeout=120)
+    (wheel,) = glob.glob(str(tmp / "dist" / "*.whl"))
+    target = tmp / "site"
+    subprocess.run(pip + ["install", "--no-deps", "--target", str(target), wheel],
+                   check=True, capture_output=True, timeout=120)
+    return wheel, target
+
+
+def test_wheel_ships_the_kernel_sources(installed):
+    wheel, _ = installed
+    assert KERNEL_SOURCES  # (the glob found the tree's kernels)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = [s for s in KERNEL_SOURCES if f"worker/kernels/{s}" not in names]
+    assert not missing, f"the wheel lacks {missing}"
+
+
+@pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
+                    reason="no C compiler")
+def test_installed_copy_builds_and_loads_every_kernel(installed, tmp_path):
+    _, target = installed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOOM_DISABLE_KERNELS", "LOOM_KERNEL_MARCH", "PYTHONPATH")}
+    env.update(PYTHONPATH=str(target), LOOM_CACHE_DIR=str(tmp_path / "cache"))
+    script = ("import worker.kernels as k, worker.kernels.__main__ as m; print(k.__file__); "
+              "raise SystemExit(m.main())")
+    r = subprocess.run([sys.executable, "-S", "-c", script], cwd=elsewhere, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    module_file, summary = r.stdout.strip().splitlines()
+    assert os.path.realpath(module_file).startswith(os.path.realpath(target) + os.sep)
+    assert summary.startswith("native kernels: packed GEMM"), summary
+    assert f"{len(KERNEL_SOURCES)} built" in summary, summary
+    built = os.listdir(tmp_path / "cache" / "kernels")
+    assert sorted(name.split("-")[0] for name in built) == \
+        sorted(s[:-2] for s in KERNEL_SOURCES if s.endswith(".c"))
