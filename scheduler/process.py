@@ -54,7 +54,13 @@ from serialization.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from serialization.sockets import Endpoints, decode_or_drop, make_socket
+from serialization.sockets import (
+    MAX_MESSAGE_BYTES,
+    Endpoints,
+    decode_or_drop,
+    make_socket,
+    malformed_frame_counts,
+)
 
 logger = logging.getLogger("loom.scheduler")
 
@@ -72,11 +78,14 @@ class SchedulerLoop:
     def __init__(self, cfg: SchedulerProcessConfig, endpoints: Endpoints) -> None:
         self.cfg = cfg
         self.zctx = zmq.Context()
-        self.requests = make_socket(self.zctx, zmq.PULL, endpoints.requests, bind=True)
-        self.cancel = make_socket(self.zctx, zmq.PULL, endpoints.cancel, bind=True)
+        self.requests = make_socket(self.zctx, zmq.PULL, endpoints.requests, bind=True,
+                                    max_message_bytes=MAX_MESSAGE_BYTES["requests"])
+        self.cancel = make_socket(self.zctx, zmq.PULL, endpoints.cancel, bind=True,
+                                  max_message_bytes=MAX_MESSAGE_BYTES["cancel"])
         self.responses = make_socket(self.zctx, zmq.PUSH, endpoints.responses, bind=True)
         self.steps = make_socket(self.zctx, zmq.PUSH, endpoints.steps, bind=True)
-        self.results = make_socket(self.zctx, zmq.PULL, endpoints.results, bind=True)
+        self.results = make_socket(self.zctx, zmq.PULL, endpoints.results, bind=True,
+                                   max_message_bytes=MAX_MESSAGE_BYTES["results"])
         self.encode = msgpack_numpy_encoder()
         self.decode_request = msgpack_numpy_decoder(RequestMessage)
         self.decode_cancel = msgpack_numpy_decoder(CancelRequest)
@@ -343,6 +352,7 @@ class SchedulerLoop:
         stats.step_overheads, self._step_overheads = self._step_overheads, []
         stats.prefill_forward_times, self._prefill_forward_times = self._prefill_forward_times, []
         stats.decode_forward_times, self._decode_forward_times = self._decode_forward_times, []
+        stats.malformed_frames_total = malformed_frame_counts()
         if outputs or stats != self._last_stats:
             self.responses.send(self.encode(ResponseBatch(outputs=outputs, stats=stats)))
             self._last_stats = stats

@@ -48,6 +48,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # sampling), steps with a prompt chunk and steps of decodes only apart.
     prefill_forward_times: list[float] = []
     decode_forward_times: list[float] = []
+    # Malformed frames the scheduler dropped since it started, per channel it reads
+    # (requests, cancel, results).
+    malformed_frames_total: dict[str, int] = {}
 
 
 class EmbeddingOutput(msgspec.Struct, array_like=True):

@@ -18,7 +18,7 @@ if _lib is not None:
     _FUNCS = {torch.float32: _lib.paged_decode_attention_f32,
               torch.bfloat16: _lib.paged_decode_attention_bf16}
     for fn in _FUNCS.values():
-        fn.restype = None
+        fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
 
 
@@ -43,9 +43,11 @@ def paged_decode_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     q = q.to(torch.float32).contiguous()
     out = torch.empty((batch, heads, head_dim), dtype=torch.float32)
-    _FUNCS[k_cache.dtype](
+    rc = _FUNCS[k_cache.dtype](
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
         block_tables.shape[1], scale,
     )
+    if rc != 0:
+        raise MemoryError("decode attention could not allocate its scratch memory")
     return out

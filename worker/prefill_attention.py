@@ -14,7 +14,7 @@ from worker.kernels import load_kernel
 
 _lib = load_kernel("paged_prefill_attention")
 if _lib is not None:
-    _lib.loom_prefill_attention.restype = None
+    _lib.loom_prefill_attention.restype = ctypes.c_int
     _lib.loom_prefill_attention.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -25,7 +25,8 @@ def native_prefill_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (_lib is not None and q.dtype == torch.float32
             and k_cache.dtype in (torch.float32, torch.bfloat16)
             and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and bool(_lib.loom_prefill_attention_limits(k_cache.shape[1], k_cache.shape[3])))
+            and bool(_lib.loom_prefill_attention_limits(k_cache.shape[1], k_cache.shape[3],
+                                                        q.shape[1], k_cache.shape[2])))
 
 
 def paged_prefill_attention(
@@ -41,9 +42,11 @@ def paged_prefill_attention(
 ) -> None:
     tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    _lib.loom_prefill_attention(
+    rc = _lib.loom_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.dtype == torch.bfloat16,
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), q_lens.data_ptr(),
         first_rows.data_ptr(), block_tables.shape[0], heads, kv_heads, head_dim, block_size,
         scale, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("prefill attention could not allocate its scratch memory")

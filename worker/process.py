@@ -28,7 +28,7 @@ from serialization.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from serialization.sockets import Endpoints, decode_or_drop, make_socket
+from serialization.sockets import MAX_MESSAGE_BYTES, Endpoints, decode_or_drop, make_socket
 
 logger = logging.getLogger("loom.worker")
 
@@ -52,7 +52,8 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     set_kernel_threads(num_threads)
     with worker_threads(), short_time_slice():  # ZeroMQ starts its I/O thread with the first socket
         zctx = zmq.Context()
-        steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False)
+        steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False,
+                            max_message_bytes=MAX_MESSAGE_BYTES["steps"])
         results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)
     encode = msgpack_numpy_encoder()
     decode = msgpack_numpy_decoder(StepMessage, copy=False)
@@ -101,16 +102,21 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
             continue
         if isinstance(msg, Shutdown):
             break
-        try:
-            result = speech.next_chunk(msg) if isinstance(msg, AudioStep) and speech \
-                else _run_step(runner, msg)
-            result.started_at, result.finished_at = started, time.monotonic()
-        except Exception as exc:
-            logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
-            result = _failed(msg, f"{type(exc).__name__}: {exc}")
-            result.started_at, result.finished_at = started, time.monotonic()
-        results.send(encode(result))
+        results.send(encode(answer_step(runner, speech, msg, started)))
     zctx.destroy(linger=0)
+
+
+def answer_step(runner, speech, msg, started: float):
+    """The result of one step. A step that raises (a bad step the runner refuses included) is
+    answered with an error result for its requests, and the worker goes on to the next."""
+    try:
+        result = speech.next_chunk(msg) if isinstance(msg, AudioStep) and speech \
+            else _run_step(runner, msg)
+    except Exception as exc:
+        logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
+        result = _failed(msg, f"{type(exc).__name__}: {exc}")
+    result.started_at, result.finished_at = started, time.monotonic()
+    return result
 
 
 def _deferred_start_up(runner, prefault):

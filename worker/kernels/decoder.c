@@ -81,14 +81,14 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                cos_table, sin_table, L->k_cache, L->v_cache, slots);
         for (int t = 0; t < T; t++)
             memcpy(q + (int64_t)t * q_size, qkv + (int64_t)t * qkv_width, sizeof(float) * q_size);
-        if (bf16)
-            paged_decode_attention_bf16(q, L->k_cache, L->v_cache, block_tables, seq_lens, attn,
-                                        T, d->heads, d->kv_heads, d->head_dim, d->block_size,
-                                        max_blocks, d->scale);
-        else
-            paged_decode_attention_f32(q, L->k_cache, L->v_cache, block_tables, seq_lens, attn,
-                                       T, d->heads, d->kv_heads, d->head_dim, d->block_size,
-                                       max_blocks, d->scale);
+        rc = bf16 ? paged_decode_attention_bf16(q, L->k_cache, L->v_cache, block_tables,
+                                                seq_lens, attn, T, d->heads, d->kv_heads,
+                                                d->head_dim, d->block_size, max_blocks, d->scale)
+                  : paged_decode_attention_f32(q, L->k_cache, L->v_cache, block_tables,
+                                               seq_lens, attn, T, d->heads, d->kv_heads,
+                                               d->head_dim, d->block_size, max_blocks, d->scale);
+        if (rc != 0)
+            goto done;
         linear(bf16, attn, q_size, L->o, NULL, x, d->hidden, T, d->hidden, q_size);
         loom_add_rms_norm(residual, x, L->post_norm, h, T, d->hidden, d->eps);
         linear(bf16, h, d->hidden, L->gate_up, NULL, gate_up, 2 * d->intermediate, T,

@@ -14,6 +14,9 @@
  *   block_tables [num_seqs, max_blocks] (int32)
  *   seq_lens     [num_seqs] (int32): tokens to attend to, including the newest
  *   out          [num_seqs, num_heads, head_dim] (float32)
+ * Returns 0, or -1 if a task's scratch memory could not be had (its rows of `out` are then
+ * garbage: the caller fails the step). The indices are trusted: the worker checks every step's
+ * block tables and lengths against the cache before any kernel runs (worker/model_runner.py).
  */
 #include <float.h>
 #include <math.h>
@@ -30,15 +33,16 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                         \
-void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,      \
-          const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads, \
-          int head_dim, int block_size, int max_blocks, float scale) {                       \
+int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,       \
+         const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,  \
+         int head_dim, int block_size, int max_blocks, float scale) {                        \
     const int group = num_heads / num_kv_heads;                                              \
     const int64_t row = (int64_t)num_kv_heads * head_dim;                                    \
     /* Fewer sequences than threads (small batches): split each by kv head instead. */      \
     const int splits = num_seqs < omp_get_max_threads() ? num_kv_heads : 1;                  \
     const int kv_per_task = num_kv_heads / splits;                                           \
     const int heads_per_task = kv_per_task * group;                                          \
+    int failed = 0;                                                                          \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                         \
     for (int task = 0; task < num_seqs * splits; task++) {                                   \
         const int s = task / splits, h0 = (task % splits) * heads_per_task;                  \
@@ -47,6 +51,13 @@ void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *blo
         const int nh = heads_per_task;                                                       \
         float *scores = malloc(sizeof(float) * (size_t)nh * (size_t)len);                    \
         float *qf = malloc(sizeof(float) * (size_t)nh * (size_t)head_dim);                   \
+        if (!scores || !qf) { /* (no break out of an OpenMP loop: the other tasks finish) */  \
+            free(scores);                                                                    \
+            free(qf);                                                                        \
+            _Pragma("omp atomic write")                                                      \
+            failed = 1;                                                                      \
+            continue;                                                                        \
+        }                                                                                    \
         float *acc = out + ((int64_t)s * num_heads + h0) * head_dim;                         \
         const float *qs = q + ((int64_t)s * num_heads + h0) * head_dim;                      \
         for (int i = 0; i < nh * head_dim; i++) qf[i] = qs[i] * scale;                       \
@@ -83,6 +94,7 @@ void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *blo
         free(scores);                                                                        \
         free(qf);                                                                            \
     }                                                                                        \
+    return failed ? -1 : 0;                                                                  \
 }
 
 #define LOAD_F32(x) (x)

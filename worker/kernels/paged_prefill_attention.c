@@ -32,14 +32,16 @@
 #define TQ 16        /* query rows per task */
 #define BS 16        /* keys per block: the kernel handles the default block size */
 #define MAX_DIM 256  /* largest head_dim handled (a multiple of 8) */
+#define MAX_GROUP 16 /* most query heads per kv head handled (m and l below are on the stack) */
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 #define LOAD(p) (*(const v8u *)(p))
 #define STORE(p, x) (*(v8u *)(p) = (x))
 
-int loom_prefill_attention_limits(int block_size, int head_dim) {
-    return block_size == BS && head_dim % 8 == 0 && head_dim <= MAX_DIM;
+int loom_prefill_attention_limits(int block_size, int head_dim, int heads, int kv_heads) {
+    return block_size == BS && head_dim % 8 == 0 && head_dim <= MAX_DIM && kv_heads > 0 &&
+           heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP;
 }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -130,16 +132,22 @@ static inline float cache_at(const void *cache, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
 
-static void tile(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                 int bf16, const int32_t *table, int row0, int pos0, int rows, int kv_head,
-                 int group, int heads, int kv_heads, int head_dim, float scale, float *out) {
+/* Returns 0, or -1 (nothing written) if its scratch memory could not be had. */
+static int tile(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                int bf16, const int32_t *table, int row0, int pos0, int rows, int kv_head,
+                int group, int heads, int kv_heads, int head_dim, float scale, float *out) {
     const int nq = rows * group; /* query vectors of this tile: (row, head in the group) */
     const int64_t kv_row = (int64_t)kv_heads * head_dim;
     float qs[TQ * 8 * MAX_DIM / 8]; /* up to TQ rows x 8 heads per kv head */
     float *qbuf = nq * head_dim <= (int)(sizeof qs / sizeof *qs)
                       ? qs : malloc(sizeof(float) * (size_t)nq * head_dim);
     float *acc = calloc((size_t)nq * head_dim, sizeof(float));
-    float m[TQ * 16], l[TQ * 16];
+    if (!qbuf || !acc) {
+        if (qbuf != qs) free(qbuf);
+        free(acc);
+        return -1;
+    }
+    float m[TQ * MAX_GROUP], l[TQ * MAX_GROUP];
     float kt[MAX_DIM * BS]; /* the K block, transposed: [head_dim][BS] */
     float vf[BS * MAX_DIM]; /* a bfloat16 V block, widened: [BS][head_dim] */
     for (int r = 0; r < rows; r++)
@@ -189,21 +197,29 @@ static void tile(const float *q, int64_t q_stride, const void *k_cache, const vo
     }
     if (qbuf != qs) free(qbuf);
     free(acc);
+    return 0;
 }
 
-/* bf16: the cache is bfloat16 (q and out are float32 either way). */
-void loom_prefill_attention(const float *q, int64_t q_stride, const void *k_cache,
-                            const void *v_cache, int bf16, const int32_t *block_tables,
-                            int max_blocks, const int32_t *seq_lens, const int32_t *q_lens,
-                            const int32_t *first_rows, int num_seqs, int heads, int kv_heads,
-                            int head_dim, int block_size, float scale, float *out) {
+/* bf16: the cache is bfloat16 (q and out are float32 either way). Returns 0, or -1 if scratch
+ * memory could not be had (the caller fails the step). The block tables and lengths are
+ * trusted: the worker checks them against the cache every step (worker/model_runner.py). */
+int loom_prefill_attention(const float *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int bf16, const int32_t *block_tables,
+                           int max_blocks, const int32_t *seq_lens, const int32_t *q_lens,
+                           const int32_t *first_rows, int num_seqs, int heads, int kv_heads,
+                           int head_dim, int block_size, float scale, float *out) {
     const int group = heads / kv_heads;
     /* Tasks: (sequence, query tile, kv head), longest tiles (latest rows) first. */
     int tasks = 0;
     for (int s = 0; s < num_seqs; s++) tasks += (q_lens[s] + TQ - 1) / TQ * kv_heads;
     int *task_seq = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
     int *task_tile = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
-    int n = 0;
+    if (!task_seq || !task_tile) {
+        free(task_seq);
+        free(task_tile);
+        return -1;
+    }
+    int n = 0, failed = 0;
     for (int s = 0; s < num_seqs; s++)
         for (int t = (q_lens[s] + TQ - 1) / TQ - 1; t >= 0; t--)
             for (int h = 0; h < kv_heads; h++) {
@@ -215,10 +231,14 @@ void loom_prefill_attention(const float *q, int64_t q_stride, const void *k_cach
         const int s = task_seq[i], t = task_tile[i] / kv_heads, h = task_tile[i] % kv_heads;
         const int start = seq_lens[s] - q_lens[s];
         const int rows = q_lens[s] - t * TQ < TQ ? q_lens[s] - t * TQ : TQ;
-        tile(q, q_stride, k_cache, v_cache, bf16, block_tables + (int64_t)s * max_blocks,
-             first_rows[s] + t * TQ, start + t * TQ, rows, h, group, heads, kv_heads, head_dim,
-             scale, out);
+        if (tile(q, q_stride, k_cache, v_cache, bf16, block_tables + (int64_t)s * max_blocks,
+                 first_rows[s] + t * TQ, start + t * TQ, rows, h, group, heads, kv_heads,
+                 head_dim, scale, out) != 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
     }
     free(task_seq);
     free(task_tile);
+    return failed ? -1 : 0;
 }
