@@ -22,6 +22,7 @@ from starlette.responses import Response
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from serialization.messages import SchedulerStats
+from serialization.sockets import malformed_frame_counts
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -109,6 +110,9 @@ class Metrics:
         self.audio_real_time_factor = histogram("audio_real_time_factor", "Speech: synthesis time / audio duration, per request.", (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0))
         self.embedding_batches = counter("embedding_batches", "Forward passes of the embeddings model.")
         self.embedding_inputs = counter("embedding_inputs", "Inputs embedded.")
+        self.tool_call_schema_failures = counter(
+            "tool_call_schema_failures", "Tool calls returned although their arguments do not "
+            "validate against the tool's parameter schema (or name no tool of the request).")
         self.request_success = Counter("loom:request_success", "Finished requests by reason.",
                                        ["model_name", "finished_reason"], registry=reg)
         self.http_requests = Counter("loom:http_requests", "HTTP requests by route and status.",
@@ -116,6 +120,10 @@ class Metrics:
         self.rejected_requests = Counter(
             "loom:rejected_requests", "Requests refused with a 4xx or 503, by reason (the "
             "error's code, else its type).", ["model_name", "reason"], registry=reg)
+        self.malformed_frames = Counter(
+            "loom:malformed_frames", "Malformed inter-process frames dropped, by channel (this "
+            "process's and the scheduler's).", ["model_name", "channel"], registry=reg)
+        self._malformed_seen: dict[str, int] = {}
         self._last = SchedulerStats()
 
     # ---- scheduler stats ----------------------------------------------------------------------
@@ -197,5 +205,18 @@ class Metrics:
 
         return middleware
 
+    def _sync_malformed_frames(self) -> None:
+        """Bring the counter up to the running totals (the scheduler's arrive with its stats,
+        the API process's own are read here)."""
+        totals = dict(self._last.malformed_frames_total)
+        for channel, count in malformed_frame_counts().items():
+            totals[channel] = totals.get(channel, 0) + count
+        for channel, total in totals.items():
+            delta = total - self._malformed_seen.get(channel, 0)
+            if delta > 0:
+                self.malformed_frames.labels(self.model_name, channel).inc(delta)
+                self._malformed_seen[channel] = total
+
     async def endpoint(self, request: Request) -> Response:
+        self._sync_malformed_frames()
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

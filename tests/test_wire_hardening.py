@@ -286,3 +286,31 @@ def test_decoders_of_every_channel_drop_a_map_without_type():
         assert decode_or_drop(msgpack_numpy_decoder(type_), frame, "any") is None
         assert decode_or_drop(msgpack_numpy_decoder(type_, copy=False), frame, "any") is None
     assert sockets.dropped_frames["any"] == 8
+
+
+def test_malformed_frames_reach_the_metrics_endpoint():
+    """The scheduler's running totals (in its stats) and the API process's own drops are
+    both exported as loom:malformed_frames_total by channel."""
+    import asyncio
+
+    from api_server.metrics import Metrics
+    from serialization.messages import ResponseMessage, SchedulerStats
+    from serialization.sockets import decode_or_drop, malformed_frame_counts
+
+    before = malformed_frame_counts().get("responses", 0)
+    decode_or_drop(msgpack_numpy_decoder(ResponseMessage), b"\xc1garbage", "responses")
+    metrics = Metrics("m")
+    metrics.observe_scheduler(SchedulerStats(malformed_frames_total={"requests": 3}))
+
+    def scrape() -> dict:
+        body = asyncio.run(metrics.endpoint(None)).body.decode()
+        values = {}
+        for line in body.splitlines():
+            if line.startswith("loom:malformed_frames_total{"):
+                channel = line.split('channel="')[1].split('"')[0]
+                values[channel] = float(line.rsplit(" ", 1)[1])
+        return values
+
+    assert scrape() == {"requests": 3.0, "responses": float(before + 1)}
+    metrics.observe_scheduler(SchedulerStats(malformed_frames_total={"requests": 5}))
+    assert scrape()["requests"] == 5.0  # totals, not increments

@@ -6,6 +6,7 @@ import ctypes
 import logging
 import mmap
 import time
+
 import torch
 
 from worker import hugepages
