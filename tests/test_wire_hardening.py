@@ -4,7 +4,6 @@ queues block or refuse rather than drop, and a valid message afterwards still ge
 
 import logging
 import os
-import time
 
 import msgpack
 import numpy as np
@@ -259,8 +258,14 @@ def test_scheduler_drops_counts_and_reports_bad_frames_then_serves(scheduler_loo
 
     # An oversized cancellation is cut off by ZeroMQ before it is buffered (so never decoded
     # nor counted here); once the API's socket has reconnected the channel works again.
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = cancel.get_monitor_socket(zmq.EVENT_CONNECTED)
     cancel.send(b"x" * (128 << 10))
-    time.sleep(0.3)  # (frames already behind it on the cut connection would be lost with it)
+    # Wait for the reconnection (frames behind it on the cut connection would be lost).
+    assert monitor.poll(5000), "the API's cancel socket did not reconnect"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+    cancel.disable_monitor()
     requests.send(encode(TextContext(request_id="good", max_length=20,
                                      tokens=np.arange(1, 6), eos_token_ids={2})))
     drain_until(loop, lambda: len(loop.scheduler.waiting) == 1)
