@@ -10,6 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from api_server.anthropic_errors import anthropic_errors
+from api_server.anthropic_route import AnthropicRoute
 from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
 from api_server.metrics import Metrics
@@ -17,6 +19,7 @@ from api_server.middleware import limit_body_size, require_api_key
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.openapi import build_openapi
 from api_server.protocol import RequestError
+from api_server.responses_route import ResponsesRoute
 from api_server.server_state import ServerState
 from api_server.speech_route import SpeechRoute
 
@@ -52,6 +55,8 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
     embeddings = EmbeddingsRoute(routes, routes.engine, routes.task == "embed")
     speech = speech or SpeechRoute(routes.engine, state, [], 0, metrics)
     routes.extra_model_cards = speech.model_cards
+    responses = ResponsesRoute(routes)
+    messages = AnthropicRoute(routes)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(RequestError(exc.detail or "error", status=exc.status_code))
@@ -73,6 +78,11 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
             Route("/detokenize", extra.detokenize, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+            Route("/v1/messages", messages.create, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/v1/embeddings", embeddings.create, methods=["POST"]),
             Route("/v1/audio/speech", speech.create, methods=["POST"]),
         ],
@@ -82,4 +92,5 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
     wrapped = limit_body_size(app, max_request_bytes)
     if api_key:
         wrapped = require_api_key(wrapped, api_key)
-    return metrics.http_middleware(wrapped, known_paths)
+    # Outermost: Anthropic's routes answer every error, the middlewares' too, in its shape.
+    return anthropic_errors(metrics.http_middleware(wrapped, known_paths))

@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render a chat_template sent in chat_template_kwargs (a Jinja template "
                         "is code: it renders in a sandbox process with a memory limit and a "
                         "2 s deadline); off: such requests get 400")
+    s.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls; auto reads the chat template "
+                        "(<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: "
+                        "llama3_json; else hermes, the format taught to templates without tools)")
+    s.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                   help="split <think>...</think> reasoning from the answer "
+                        "(reasoning_content, reasoning items, thinking blocks); auto: when "
+                        "the chat template uses the tags")
     s.add_argument("--max-request-bytes", type=parse_size, default=16 << 20,
                    help="largest request body accepted (413 beyond)")
     s.add_argument("--api-key", default=None,
@@ -123,6 +132,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         allow_unauthenticated=args.allow_unauthenticated,
         task=resolve_task(args.task, model_dir), speech=not args.no_speech,
         speech_noise=not args.deterministic_speech,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
 
 

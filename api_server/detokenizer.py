@@ -76,6 +76,7 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output
 
     def push(self, delta: str) -> str:
         """Returns the text that is safe to send now."""
@@ -84,10 +85,11 @@ class StopStringMatcher:
         if not self.stops:
             return delta
         self.pending += delta
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out
         hold = self._longest_partial_stop()
         out = self.pending[: len(self.pending) - hold]

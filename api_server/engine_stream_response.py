@@ -3,9 +3,17 @@ before the response started."""
 
 from __future__ import annotations
 
+import msgspec
 from starlette.responses import StreamingResponse
 
 from api_server.engine_client import EngineClient
+
+_json = msgspec.json.Encoder()
+
+
+def named_event(name: str, data: dict) -> bytes:
+    """One server-sent event with an `event:` name (Responses' and Anthropic's streams)."""
+    return b"event: " + name.encode() + b"\ndata: " + _json.encode(data) + b"\n\n"
 
 
 class EngineStreamResponse(StreamingResponse):

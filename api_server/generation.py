@@ -33,6 +33,7 @@ class ChoiceDelta:
     logprobs: list[tuple[int, LogProbabilities]] | None = None
     # Echo: log probabilities of prompt tokens 1.. (position 0 has none), when asked for.
     prompt_logprobs: list[LogProbabilities] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 
 
 async def stream_choice(
@@ -69,7 +70,7 @@ async def stream_choice(
                 # A stop string ended it: leaving the loop cancels the request in the scheduler.
                 engine.end_early(ctx.request_id, "stop")
                 yield ChoiceDelta(index, text, visible, "stop", len(prompt_ids), completion_tokens,
-                                  logprobs, prompt_lp)
+                                  logprobs, prompt_lp, stops.matched)
                 return
             yield ChoiceDelta(index, text, visible, finish, len(prompt_ids), completion_tokens,
                               logprobs, prompt_lp)

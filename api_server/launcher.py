@@ -75,6 +75,8 @@ class ServeConfig:
     task: str = "generate"
     speech: bool = True
     speech_noise: bool = True
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 def check_exposure(cfg: ServeConfig) -> None:
@@ -259,7 +261,9 @@ class Launcher:
         routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name, {cfg.model_dir},
                               max_model_len, state, cfg.request_timeout, cfg.task,
                               embedding_dim, cfg.max_sequences_per_request,
-                              cfg.trust_request_chat_template)
+                              cfg.trust_request_chat_template,
+                              tool_call_parser=cfg.tool_call_parser,
+                              reasoning_parser=cfg.reasoning_parser)
         if cfg.trust_request_chat_template:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request

@@ -66,14 +66,21 @@ def limit_body_size(app, max_bytes: int):
 
 
 def require_api_key(app, api_key: str):
-    """Every route but PUBLIC_PATHS needs `Authorization: Bearer <key>`."""
+    """Every route but PUBLIC_PATHS needs `Authorization: Bearer <key>`, or `x-api-key: <key>`
+    (how Anthropic's clients send it)."""
     expected = f"Bearer {api_key}".encode()
+    expected_header = api_key.encode()
 
     async def middleware(scope, receive, send):
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, expected):  # constant time
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        given_header = headers.get(b"x-api-key", b"")
+        # Both compared, in constant time, whichever was sent.
+        bearer_ok = hmac.compare_digest(given, expected)
+        header_ok = hmac.compare_digest(given_header, expected_header)
+        if not (bearer_ok or header_ok):
             return await _send_error(send, 401, "missing or invalid API key",
                                      "authentication_error", "invalid_api_key",
                                      [(b"www-authenticate", b"Bearer")])

@@ -13,6 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api_server.chat_pipeline import ChatDelta, ChatJob, start_chat
 from api_server.chat_template import template_options
 from api_server.engine_client import EngineClient, EngineDeadError, RequestTimeoutError
 from api_server.engine_stream_response import EngineStreamResponse
@@ -35,17 +36,12 @@ from api_server.protocol import (
     decode_body,
     prompts_of,
 )
+from api_server.reasoning import effort_budget, resolve_reasoning_parser
 from api_server.server_state import ServerState
-from api_server.structured import schema_for_response_format, validate_schema
+from api_server.structured import schema_for_response_format
 from api_server.tokenizer import TextTokenizer
-from api_server.tool_calls import (
-    ForcedCallCollector,
-    ToolCall,
-    ToolCallParser,
-    check_tools,
-    forced_call_schema,
-    tools_system_prompt,
-)
+from api_server.tool_calls import ToolCall
+from api_server.tool_parsers import resolve_tool_call_parser
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
@@ -71,7 +67,8 @@ class OpenAIRoutes:
                  model_aliases: set[str], max_model_len: int, state: ServerState,
                  request_timeout: float | None = None, task: str = "generate",
                  embedding_dim: int | None = None, max_sequences_per_request: int = 256,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto") -> None:
         self.engine = engine
         self.task = task
         self.embedding_dim = embedding_dim
@@ -85,6 +82,9 @@ class OpenAIRoutes:
         self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
         self.token_text = TokenText(tokenizer.delegate)
+        template = getattr(tokenizer.delegate, "chat_template", None)
+        self.tool_call_parser = resolve_tool_call_parser(tool_call_parser, template)
+        self.reasoning_parser = resolve_reasoning_parser(reasoning_parser, template)
 
     # ---- /v1/models -------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -286,55 +286,35 @@ class OpenAIRoutes:
             if max_tokens == 0:
                 raise RequestError("max_tokens must be at least 1", param="max_tokens")
             self._check_sequences(req.n, "n")
-            messages = chat_messages(req.messages)
             options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
                                        self.trust_request_chat_template)
-            check_depth(req.tools, "tools")
-            request_id = uuid.uuid4().hex
-            response_format = self._response_format(req)
-            tools, forced_name = check_tools(req.tools, req.tool_choice)
-            tool_mode = _tool_mode(tools, req.tool_choice)
-            rendered_tools = None
-            if tool_mode != "none":
-                if self.tokenizer.template_takes_tools:
-                    rendered_tools = tools
-                else:
-                    messages = [{"role": "system", "content": tools_system_prompt(tools)},
-                                *messages]
-            if tool_mode == "forced":
-                if response_format is not None:
-                    raise RequestError("response_format can't be combined with a forced tool "
-                                       "call", param="response_format")
-                schema = validate_schema(forced_call_schema(tools, forced_name), "tools")
-                response_format = {"type": "json_schema", "json_schema": schema}
-            contexts = await self._contexts(lambda i: TokenGeneratorRequest(
-                id=f"{request_id}-{i}", index=i, model_name=self.model_name,
-                messages=messages, tools=rendered_tools, request_path="/v1/chat/completions",
-                timestamp_ns=time.time_ns(), chat_template_options=options,
-                logprobs=max(1, req.top_logprobs or 0) if req.logprobs else 0,
-                response_format=response_format,
-                sampling_params=self._sampling_params(req, max_tokens, i),
-            ), req.n)
+            run = await start_chat(self, ChatJob(
+                messages=chat_messages(req.messages), sampling=req, max_tokens=max_tokens,
+                max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None
+                else "max_tokens",
+                tools=req.tools, tool_choice=req.tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
+                response_format=self._response_format(req), template_options=options,
+                reasoning_tokens=req.max_reasoning_tokens,
+                reasoning_share=effort_budget(req.reasoning_effort, "reasoning_effort"),
+                n=req.n, logprobs=max(1, req.top_logprobs or 0) if req.logprobs else 0))
         except RequestError as exc:
             return error_response(exc)
-        streams = self._streams(contexts, req, req.n)
-        parsers = [_tool_parser(tool_mode) for _ in contexts]
-        response_id = f"chatcmpl-{request_id}"
+        response_id = f"chatcmpl-{run.request_id}"
         if req.stream:
-            return await self._sse(self._chat_chunks(response_id, streams, req, parsers),
-                                   contexts[::req.n])
-        return await self._collect(request, self._chat_body(response_id, streams, req, parsers))
+            return await self._sse(self._chat_chunks(response_id, run.deltas(), req), run.first)
+        return await self._collect(request, self._chat_body(response_id, run.deltas(), req))
 
-    def _chat_logprobs(self, d: ChoiceDelta, req: ChatCompletionRequest) -> list[dict] | None:
+    def _chat_logprobs(self, d: ChatDelta, req: ChatCompletionRequest) -> list[dict] | None:
         if not req.logprobs or d.logprobs is None:
             return None
         return chat_logprob_entries(self.token_text, d.logprobs, req.top_logprobs or 0)
 
-    async def _chat_chunks(self, response_id: str, streams, req: ChatCompletionRequest,
-                           parsers: list):
+    async def _chat_chunks(self, response_id: str, deltas: AsyncIterator[ChatDelta],
+                           req: ChatCompletionRequest):
         created = int(time.time())
         usage = _Usage(req.n)
-        num_calls = [0] * len(streams)
+        num_calls = [0] * req.n
 
         def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
             return {"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -354,15 +334,16 @@ class OpenAIRoutes:
                 yield chunk(index, {"tool_calls": [{"index": k, "function": {
                     "arguments": call.arguments}}]}, None)
 
-        for i in range(len(streams)):
+        for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""}, None)
-        async for d in merge_choices(streams):
+        async for d in deltas:
             usage.add(d)
             logprobs = self._chat_logprobs(d, req)
-            text, calls = self._split_tools(parsers[d.index], d)
-            if text or logprobs:
-                yield chunk(d.index, {"content": text}, None, logprobs)
-            for c in call_chunks(d.index, calls):
+            if d.reasoning:  # vLLM's field for a reasoning model's thought
+                yield chunk(d.index, {"reasoning_content": d.reasoning}, None)
+            if d.content or logprobs:
+                yield chunk(d.index, {"content": d.content}, None, logprobs)
+            for c in call_chunks(d.index, d.calls):
                 yield c
             if d.finish_reason:
                 finish = "tool_calls" if num_calls[d.index] else d.finish_reason
@@ -371,34 +352,27 @@ class OpenAIRoutes:
             yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
                    "model": self.model_name, "choices": [], "usage": usage.body()}
 
-    @staticmethod
-    def _split_tools(parser, d: ChoiceDelta) -> tuple[str, list[ToolCall]]:
-        if parser is None:
-            return d.text, []
-        text, calls = parser.push(d.text)
-        if d.finish_reason:
-            rest, more = parser.finish()
-            text, calls = text + rest, calls + more
-        return text, calls
-
-    async def _chat_body(self, response_id: str, streams, req: ChatCompletionRequest,
-                         parsers: list) -> dict:
-        texts: dict[int, list[str]] = {i: [] for i in range(len(streams))}
-        calls: dict[int, list[ToolCall]] = {i: [] for i in range(len(streams))}
-        logprobs: dict[int, list[dict]] = {i: [] for i in range(len(streams))}
+    async def _chat_body(self, response_id: str, deltas: AsyncIterator[ChatDelta],
+                         req: ChatCompletionRequest) -> dict:
+        texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
+        thoughts: dict[int, list[str]] = {i: [] for i in range(req.n)}
+        calls: dict[int, list[ToolCall]] = {i: [] for i in range(req.n)}
+        logprobs: dict[int, list[dict]] = {i: [] for i in range(req.n)}
         finish: dict[int, str] = {}
         usage = _Usage(req.n)
-        async for d in merge_choices(streams):
+        async for d in deltas:
             usage.add(d)
-            text, new_calls = self._split_tools(parsers[d.index], d)
-            texts[d.index].append(text)
-            calls[d.index] += new_calls
+            texts[d.index].append(d.content)
+            thoughts[d.index].append(d.reasoning)
+            calls[d.index] += d.calls
             logprobs[d.index].extend(self._chat_logprobs(d, req) or [])
             if d.finish_reason:
                 finish[d.index] = "tool_calls" if calls[d.index] else d.finish_reason
         choices = []
         for i in sorted(texts):
             message = {"role": "assistant", "content": "".join(texts[i])}
+            if self.reasoning_parser is not None:
+                message["reasoning_content"] = "".join(thoughts[i]) or None
             if calls[i]:
                 message["content"] = message["content"] or None
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -426,6 +400,11 @@ class OpenAIRoutes:
                 await chunks.aclose()
             yield b"data: [DONE]\n\n"
 
+        return await self.stream_events(events(), first)
+
+    async def stream_events(self, body: AsyncIterator[bytes], first: list[TextContext],
+                            ) -> Response:
+        """Submit the `first` contexts, then stream `body` (server-sent events)."""
         submitted = []
         try:
             for ctx in first:
@@ -436,7 +415,7 @@ class OpenAIRoutes:
             if isinstance(exc, EngineDeadError):
                 return json_response(_server_error(str(exc)), status=503)
             raise
-        return EngineStreamResponse(events(), self.engine, submitted)
+        return EngineStreamResponse(body, self.engine, submitted)
 
     async def _collect(self, request: Request, body_coro) -> Response:
         """Run a non-streamed generation, abandoning it if the client goes away."""
@@ -469,22 +448,6 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         message = msgspec.structs.asdict(m)
         out.append({k: v for k, v in message.items() if v is not None})
     return out
-
-
-def _tool_mode(tools: list[dict], tool_choice) -> str:
-    if not tools or tool_choice == "none":
-        return "none"
-    if tool_choice in (None, "auto"):
-        return "auto"
-    return "forced"
-
-
-def _tool_parser(mode: str):
-    if mode == "auto":
-        return ToolCallParser()
-    if mode == "forced":
-        return ForcedCallCollector()
-    return None
 
 
 def _timeout_error(message: str) -> dict:

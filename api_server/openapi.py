@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import msgspec
 
+from api_server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from api_server.embeddings_route import EmbeddingRequest
 from api_server.extra_routes import DetokenizeRequest, TokenizeRequest
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
+from api_server.responses_protocol import ResponsesRequest
 from api_server.speech_route import SpeechRequest
 
 _REF = "#/components/schemas/{name}"
@@ -28,16 +30,29 @@ ERROR_SCHEMA = {
 }
 
 
-def _responses(*errors: int, content_type: str = "application/json") -> dict:
+# Anthropic's routes answer errors in Anthropic's shape.
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object",
+        "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+    }},
+}
+
+
+def _responses(*errors: int, content_type: str = "application/json",
+               error: str = "Error") -> dict:
     out = {"200": {"description": "OK", "content": {content_type: {"schema": {}}}}}
     for status in errors:
         out[str(status)] = {"description": "error", "content": {
-            "application/json": {"schema": {"$ref": _REF.format(name="Error")}}}}
+            "application/json": {"schema": {"$ref": _REF.format(name=error)}}}}
     return out
 
 
-def _post(schema: str, summary: str, stream: bool = False) -> dict:
-    responses = _responses(400, 401, 404, 408, 413, 429, 503)
+def _post(schema: str, summary: str, stream: bool = False, error: str = "Error") -> dict:
+    responses = _responses(400, 401, 404, 408, 413, 429, 503, error=error)
     if stream:
         # Events are JSON chunks, then the literal [DONE].
         responses["200"]["content"]["text/event-stream"] = {"schema": {}}
@@ -65,10 +80,12 @@ def _get(summary: str, content_type: str = "application/json", errors=(401,)) ->
 def build_openapi(version: str) -> dict:
     _, components = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-         EmbeddingRequest, SpeechRequest],
+         EmbeddingRequest, SpeechRequest, ResponsesRequest, MessagesRequest,
+         CountTokensRequest],
         ref_template=_REF,
     )
     components["Error"] = ERROR_SCHEMA
+    components["AnthropicError"] = ANTHROPIC_ERROR_SCHEMA
     model_get = _get("One model", errors=(401, 404))
     model_get["get"]["parameters"] = [{"name": "model", "in": "path", "required": True,
                                        "schema": {"type": "string"}}]
@@ -80,6 +97,13 @@ def build_openapi(version: str) -> dict:
             "/v1/completions": _post("CompletionRequest", "Text completion", stream=True),
             "/v1/chat/completions": _post("ChatCompletionRequest", "Chat completion",
                                           stream=True),
+            "/v1/responses": _post("ResponsesRequest", "A response (OpenAI's Responses API)",
+                                   stream=True),
+            "/v1/messages": _post("MessagesRequest", "A message (Anthropic's Messages API)",
+                                  stream=True, error="AnthropicError"),
+            "/v1/messages/count_tokens": _post("CountTokensRequest",
+                                               "The prompt tokens of a message request",
+                                               error="AnthropicError"),
             "/v1/embeddings": _post("EmbeddingRequest", "Embeddings (on an embeddings server)"),
             "/v1/audio/speech": _speech_post(),
             "/tokenize": _post("TokenizeRequest", "Tokenize a prompt or chat messages"),

@@ -103,6 +103,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models: a budget for the thought (an extension, as vLLM's), or OpenAI's effort.
+    max_reasoning_tokens: NonNegativeInt | None = None
+    reasoning_effort: str | None = None
 
 
 class RequestError(Exception):

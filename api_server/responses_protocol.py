@@ -1,0 +1,229 @@
+"""The body of POST /v1/responses, and its conversion into the chat form the shared pipeline
+takes (`api_server.chat_pipeline.ChatJob`).
+
+Input items map onto chat messages as OpenAI defines them: a message item is a message, a
+`function_call` is an assistant tool call, a `function_call_output` a tool message. Reasoning
+items are not sent back to the model (chat templates drop past thoughts as well).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from api_server.protocol import (
+    MAX_TOOLS,
+    NonNegativeInt,
+    PositiveInt,
+    RequestError,
+    SamplingFields,
+    Temperature,
+    TopP,
+    check_depth,
+)
+from api_server.structured import ANY_JSON_OBJECT, validate_schema
+
+MAX_INPUT_ITEMS = 4096  # messages and tool outputs of one conversation
+MAX_CONTENT_PARTS = 1024  # parts of one message
+MAX_METADATA_PAIRS = 16  # OpenAI's own limit
+
+
+class TextFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(msgspec.Struct, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ReasoningOptions(msgspec.Struct, kw_only=True):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+    # An extension (OpenRouter's name): the thought's budget in tokens.
+    max_tokens: NonNegativeInt | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    input: str | Annotated[list[Any], Meta(max_length=MAX_INPUT_ITEMS)]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    stream: bool | None = False
+    store: bool | None = False
+    previous_response_id: str | None = None
+    metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_PAIRS)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    user: str | None = None
+    # Extensions, as on chat completions.
+    seed: int | None = None
+    top_k: int | None = None
+
+
+def sampling_of(req: ResponsesRequest) -> SamplingFields:
+    return SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                          top_k=req.top_k)
+
+
+def check_supported(req: ResponsesRequest) -> None:
+    if req.background:
+        raise RequestError("background responses are not supported", param="background")
+    if req.truncation == "auto":
+        raise RequestError("truncation 'auto' is not supported: a conversation longer than the "
+                           "context is refused, never cut", param="truncation")
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """The conversation of `input` (without `instructions`) as chat messages."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    if not req.input:
+        raise RequestError("input must not be empty", param="input")
+    messages: list[dict] = []
+    for i, item in enumerate(req.input):
+        _add_item(messages, item, f"input[{i}]")
+    if not messages:
+        raise RequestError("input holds no message", param="input")
+    return messages
+
+
+def _add_item(messages: list[dict], item: Any, param: str) -> None:
+    if not isinstance(item, dict):
+        raise RequestError("each input item must be an object", param=param)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise RequestError("a message's role must be user, system, developer or assistant",
+                               param=f"{param}.role")
+        messages.append({"role": role, "content": _text(item.get("content"),
+                                                        f"{param}.content")})
+    elif kind == "function_call":
+        name, call_id = item.get("name"), item.get("call_id")
+        arguments = item.get("arguments", "{}")
+        for key, value in (("name", name), ("call_id", call_id), ("arguments", arguments)):
+            if not isinstance(value, str) or (key != "arguments" and not value):
+                raise RequestError(f"a function_call needs a string {key}",
+                                   param=f"{param}.{key}")
+        try:  # the template walks the arguments: bound their nesting
+            check_depth(json.loads(arguments), f"{param}.arguments")
+        except (ValueError, RecursionError):
+            pass  # not JSON: the template gets the text
+        call = {"id": call_id, "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise RequestError("a function_call_output needs its call_id",
+                               param=f"{param}.call_id")
+        messages.append({"role": "tool", "tool_call_id": call_id,
+                         "content": _text(item.get("output"), f"{param}.output")})
+    elif kind == "reasoning":
+        return
+    else:
+        raise RequestError(f"unsupported input item type {kind!r}; this server takes "
+                           f"message, function_call, function_call_output and reasoning items",
+                           param=f"{param}.type")
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError("content must be a string or a list of text parts", param=param)
+    if len(content) > MAX_CONTENT_PARTS:
+        raise RequestError(f"at most {MAX_CONTENT_PARTS} content parts", param=param,
+                           code="limit_exceeded")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text", "refusal"):
+            raise RequestError(f"unsupported content part of type {kind!r}; this model takes "
+                               f"text", param=f"{param}[{j}]")
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise RequestError("a text part needs its text", param=f"{param}[{j}]")
+        texts.append(text)
+    return "".join(texts)
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses' flat function tools in chat's nested form."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type", "function") != "function":
+            raise RequestError(f"unsupported tool type {tool.get('type')!r}; this server runs "
+                               f"function tools", param=f"tools[{i}].type")
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise RequestError("tool_choice must be 'none', 'auto', 'required' or "
+                       "{\"type\": \"function\", \"name\": ...}", param="tool_choice")
+
+
+def response_format(req: ResponsesRequest) -> dict | None:
+    """`text.format` as the pipeline's grammar (validated)."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        schema = validate_schema(ANY_JSON_OBJECT, "text.format")
+    else:
+        if fmt.schema_ is None:
+            raise RequestError("text.format of type json_schema needs its schema",
+                               param="text.format.schema")
+        check_depth(fmt.schema_, "text.format.schema")
+        schema = validate_schema(fmt.schema_, "text.format.schema")
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def output_messages(output: list[dict]) -> list[dict]:
+    """A response's output items as chat messages (kept for previous_response_id)."""
+    messages: list[dict] = []
+    for item in output:
+        if item["type"] == "message":
+            text = "".join(p.get("text", "") for p in item["content"])
+            messages.append({"role": "assistant", "content": text})
+        elif item["type"] == "function_call":
+            _add_item(messages, {k: item[k] for k in ("type", "name", "call_id", "arguments")},
+                      "output")
+    return messages
+
+
+def describe_format(req: ResponsesRequest) -> dict:
+    """`text` as the response echoes it."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"format": {"type": "text"}}
+    return {"format": json.loads(msgspec.json.encode(fmt))}

@@ -1,0 +1,218 @@
+"""Tool calls as each model family writes them: Hermes `<tool_call>`, Llama 3 JSON, Mistral
+`[TOOL_CALLS]`. Streamed in any pieces they give what the whole text gives; text that looks
+like a call but does not parse comes back as content, unchanged; a call that fails its tool's
+schema is returned and counted. The server part runs a tiny model whose output a grammar makes
+look like a Llama 3 call, parsed by `--tool-call-parser llama3_json`, through the openai client.
+"""
+
+import json
+import re
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from api_server.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    render_calls,
+    resolve_tool_call_parser,
+)
+from api_server.tool_validation import ToolCallChecker
+from tests.helpers import start_server
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+
+
+def run_parser(name, pieces):
+    parser = PARSERS[name]()
+    content, calls = "", []
+    for piece in pieces:
+        text, found = parser.push(piece)
+        content += text
+        calls += found
+    text, found = parser.finish()
+    return content + text, [(c.name, json.loads(c.arguments)) for c in calls + found]
+
+
+def splits(text):
+    """The text whole, char by char, and in pieces of 3 and 7."""
+    return [[text], list(text), [text[i:i + 3] for i in range(0, len(text), 3)],
+            [text[i:i + 7] for i in range(0, len(text), 7)]]
+
+
+CASES = [
+    # (parser, model output, expected content, expected calls)
+    ("hermes", 'Let me check. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+     "Let me check. ", [("f", {"a": 1})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>'
+               '{"name": "g", "arguments": {"b": [1, 2]}}</tool_call>', "\n",
+     [("f", {}), ("g", {"b": [1, 2]})]),
+    ("hermes", "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}", "", [("f", {"a": 1})]),
+    ("llama3_json", '{"name": "f", "parameters": {"city": "Paris"}}', "",
+     [("f", {"city": "Paris"})]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", '
+                    '"parameters": {"x": 1}}', "", [("f", {}), ("g", {"x": 1})]),
+    ("llama3_json", "The answer is {not a call}.", "The answer is {not a call}.", []),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", '
+                '"arguments": {}}]', "Sure.", [("f", {"a": 1}), ("g", {})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "x"}[TOOL_CALLS]g[CALL_ID]abc123def[ARGS]{}', "",
+     [("f", {"a": "x"}), ("g", {})]),
+]
+
+MALFORMED = [
+    ("hermes", "<tool_call>{not json</tool_call> and more"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "not an object"}</tool_call>'),
+    ("hermes", "<tool_call>{\"name\": \"f\", \"argu"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1'),
+    ("llama3_json", '{"city": "Paris"}'),
+    ("llama3_json", '{"name": "f", "parameters": [1, 2]}'),
+    ("mistral", "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}"),
+    ("mistral", "[TOOL_CALLS]f[ARGS]not json"),
+    ("mistral", "[TOOL_CALLS] and then prose"),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_parsers_stream_as_they_parse_whole(name, text, content, calls):
+    for pieces in splits(text):
+        assert run_parser(name, pieces) == (content, calls), pieces
+
+
+@pytest.mark.parametrize("name,text", MALFORMED)
+def test_malformed_calls_come_back_as_content(name, text):
+    for pieces in splits(text):
+        assert run_parser(name, pieces) == (text, []), pieces
+
+
+def test_content_streams_before_a_call_completes():
+    parser = HermesParser()
+    assert parser.push("Hello <tool") == ("Hello ", [])
+    parser = MistralParser()
+    assert parser.push("Hello [TOOL") == ("Hello ", [])
+    parser = Llama3JsonParser()
+    assert parser.push("Hello") == ("Hello", [])
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_rendered_history_parses_back(name):
+    history = [{"id": "1", "type": "function",
+                "function": {"name": "f", "arguments": '{"a": 1, "b": "é"}'}},
+               {"id": "2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+    assert run_parser(name, [render_calls(name, history)]) == \
+        ("", [("f", {"a": 1, "b": "é"}), ("g", {})])
+
+
+@pytest.mark.parametrize("template,parser", [
+    ("{{ '<tool_call>' }}", "hermes"), ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3_json"), ("{{ messages }}", "hermes"), (None, "hermes")])
+def test_auto_reads_the_chat_template(template, parser):
+    assert resolve_tool_call_parser("auto", template) == parser
+    assert resolve_tool_call_parser("mistral", template) == "mistral"
+
+
+def test_schema_check_counts_failures_and_is_bounded():
+    class Counter:
+        value = 0
+
+        def inc(self):
+            self.value += 1
+
+    from api_server.tool_calls import ToolCall
+
+    counter = Counter()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}},
+        "required": ["s"]}}}]
+    checker = ToolCallChecker(tools, counter)
+    assert checker.check(ToolCall("f", '{"s": "aaa"}'))
+    assert not checker.check(ToolCall("f", '{"t": 1}'))
+    assert not checker.check(ToolCall("nope", "{}"))
+    started = time.perf_counter()
+    assert not checker.check(ToolCall("f", json.dumps({"s": "a" * 5000 + "b"})))
+    assert time.perf_counter() - started < 2.0  # Python's re would backtrack for ages
+    assert counter.value == 3
+
+
+# ---- through the server ------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"]}}}]
+
+
+def llama_call_format(args_schema):
+    """A grammar that makes the model write a Llama 3 style call of get_weather."""
+    return {"type": "json_schema", "json_schema": {"name": "call", "schema": {
+        "type": "object", "properties": {"name": {"const": "get_weather"},
+                                         "parameters": args_schema},
+        "required": ["name", "parameters"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def server(untied_tiny_model_dir):
+    srv = start_server(untied_tiny_model_dir, "--served-model-name", "tiny",
+                       "--max-model-len", "512", "--tool-call-parser", "llama3_json")
+    yield srv
+    assert srv.stop() == 0
+    assert "Traceback" not in srv.log()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def failures(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(r"^loom:tool_call_schema_failures_total\{[^}]*\} (\S+)$", text, re.M)
+    return float(match.group(1))
+
+
+def test_llama3_calls_are_parsed_in_auto_mode(client, server):
+    args = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"], "additionalProperties": False}
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tools=TOOLS, temperature=0, max_tokens=60, response_format=llama_call_format(args))
+    before = failures(server)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    streamed, finish = "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            streamed += c.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert finish == "tool_calls" and streamed == call.function.arguments
+    assert failures(server) == before
+
+
+def test_a_call_failing_its_schema_is_returned_and_counted(client, server):
+    bad = {"type": "object", "properties": {"city": {"type": "integer"}}, "required": ["city"],
+           "additionalProperties": False}
+    before = failures(server)
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        temperature=0, max_tokens=60, response_format=llama_call_format(bad))
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(json.loads(call.function.arguments)["city"], int)
+    assert failures(server) == before + 1
+
+
+def test_json_that_is_not_a_call_is_content(client):
+    not_a_call = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"name": {"const": "get_weather"},
+                                         "parameters": {"type": "integer"}},
+        "required": ["name", "parameters"], "additionalProperties": False}}}
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        temperature=0, max_tokens=60, response_format=not_a_call)
+    choice = r.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason == "stop"
+    assert json.loads(choice.message.content)["name"] == "get_weather"
