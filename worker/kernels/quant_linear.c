@@ -1,0 +1,1119 @@
+/* y = x @ W^T (+ bias) with W kept in its GGUF block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q4_K, Q5_K or Q6_K, rows of blocks exactly as the file stores them.
+ *
+ * Why: decoding one token reads every weight once, so its time is the bytes of the weights
+ * over the memory bandwidth. SmolLM2-135M's linear layers are 540 MB in float32 and ~96 MB as
+ * its GGUF file stores them (Q4_1, Q8_0 lm_head): dequantizing at load time would throw the
+ * difference away.
+ *
+ * Integer path (loom_quant_linear; what llama.cpp does): each row of x is quantized once per
+ * call to 8 bits per 32-element block (x^ = d_x * q_x, |x - x^| <= d_x / 2), so a weight
+ * block meets its activations in integer multiply-adds (the SIMD section below) and one float
+ * multiply-add per block, instead of widening every weight to float32: 2-4x the float32
+ * kernel's speed at one row on the 2-core EPYC here (AVX2), ~0.7-1x of it at 64-512 rows. Every format's weights are
+ * w = d * q + o per 32 (Q6_K: per 16; q unsigned, Q8_0's signed), so
+ *     sum_i w_i x^_i = d d_x sum_i q_i q_x_i  +  o d_x sum_i q_x_i,
+ * the first an integer dot product per block, the second the block's offset against the sum
+ * of its quantized activations, added after the loop. The result is exactly x^ @ W^T up to
+ * float32 rounding, and a row's result does not depend on the other rows of the call.
+ *
+ * Tiling: an R x C tile of (activation rows x weight rows) walks K once: each weight block is
+ * unpacked once for R rows, each activation block loaded once for C weight rows, R x C float
+ * accumulators stay in registers. At one row (decode) that is a GEMV reading each weight byte
+ * once; at more rows a C-row weight tile stays in L1 while all row tiles of a row block pass
+ * over it. OpenMP hands out (row block x run of weight tiles) chunks dynamically, as
+ * packed_linear.c does, and quantizes x in the same parallel region.
+ *
+ * Float32 path (loom_quant_linear_f32, for prefill-sized calls): W dequantized one panel at a
+ * time into packed_linear.c's layout and multiplied by its float32 tile; see below.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* -- the SIMD operations the kernels are written in ------------------------------------------
+ *
+ * For each instruction set: AVX2 (with VNNI's dpbusd where the CPU has it: AVX-512 VNNI or
+ * AVX-VNNI), NEON (with the dot-product extension where present), and portable C.
+ *
+ * Everything works on 32 8-bit values at a time (`q32`: one 32-weight block, or the 32
+ * quantized activations it multiplies): unpacking 4-, 5- and 6-bit fields into bytes, and
+ * integer dot products of unsigned weights (0..63) or signed ones (Q8_0) with signed
+ * activations (-127..127) into a vector of int32 partial sums (`isum`), which `facc_fma` turns
+ * into float32 and accumulates. Keeping the ISA-specific code here lets the block formats and
+ * the tiling be written once.
+ *
+ * LOOM_QUANT_GENERIC forces the portable path and LOOM_QUANT_EMULATE_VNNI runs the VNNI path
+ * with dpbusd computed in C: both let a test check code this CPU would not otherwise run.
+ * (One file with the rest, not a header: every source of worker/kernels/ is a kernel.)
+ */
+#if defined(LOOM_QUANT_GENERIC)
+#define QS_GENERIC 1
+#elif defined(__AVX2__)
+#define QS_AVX2 1
+#include <immintrin.h>
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__) || \
+    defined(LOOM_QUANT_EMULATE_VNNI)
+#define QS_VNNI 1
+#endif
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define QS_NEON 1
+#include <arm_neon.h>
+#else
+#define QS_GENERIC 1
+#endif
+
+#define QS_INLINE static inline __attribute__((always_inline))
+
+/* -- half precision scales ---------------------------------------------------------------- */
+
+QS_INLINE float qs_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2); /* block fields are not aligned (a Q6_K block is 210 bytes) */
+#if defined(__F16C__) && !defined(QS_GENERIC)
+    return _cvtsh_ss(h);
+#elif defined(QS_NEON)
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F,
+                   man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000 | (man << 13); /* inf, nan */
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else { /* zero or subnormal: man * 2^-24, exactly representable */
+        float f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Two adjacent half floats (a block's d and m, or d and dmin) in one conversion. */
+QS_INLINE void qs_f16x2(const uint8_t *p, float *a, float *b) {
+#if defined(__F16C__) && !defined(QS_GENERIC)
+    uint32_t u;
+    memcpy(&u, p, 4);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128((int)u));
+    *a = _mm_cvtss_f32(v);
+    *b = _mm_cvtss_f32(_mm_movehdup_ps(v));
+#else
+    *a = qs_f16(p);
+    *b = qs_f16(p + 2);
+#endif
+}
+
+#if defined(QS_AVX2) /* ============================================================== AVX2 */
+
+typedef __m256i q32;
+typedef __m256i isum;
+typedef __m256 fvec;
+
+QS_INLINE q32 q_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+QS_INLINE void q_store(void *p, q32 v) { _mm256_storeu_si256((__m256i *)p, v); }
+QS_INLINE q32 q_or(q32 a, q32 b) { return _mm256_or_si256(a, b); }
+
+/* 16 bytes of nibble pairs -> [16 low nibbles, 16 high nibbles] (the Q4_0..Q5_1 order). */
+QS_INLINE q32 q_nibbles16(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+/* The low (hi == 0) or high nibbles of 32 bytes (the K-quant order). */
+QS_INLINE q32 q_nibbles32(const uint8_t *p, const int hi) {
+    const __m256i v = q_load(p);
+    return _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+}
+
+/* Byte i = 16 if bit i of `bits` is set, else 0: the fifth bit of Q5_0 / Q5_1. */
+QS_INLINE q32 q_bits32(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(  /* byte i <- byte i / 8 of bits */
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* Byte i = 16 if bit j of p[i] is set, else 0: the fifth bit of Q5_K. */
+QS_INLINE q32 q_bit_of(const uint8_t *p, const int j) {
+    const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(q_load(p), bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* Byte i = ((p[i] >> shift) & 3) << 4: the two high bits of Q6_K. (A register shift count:
+ * `shift` need not be a compile-time constant.) */
+QS_INLINE q32 q_2bits_of(const uint8_t *p, const int shift) {
+    const __m256i v = _mm256_srl_epi16(q_load(p), _mm_cvtsi32_si128(shift));
+    return _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi8(3)), 4);
+}
+
+#if defined(LOOM_QUANT_EMULATE_VNNI)
+QS_INLINE __m256i qs_dpbusd(__m256i acc, __m256i u, __m256i s) {
+    uint8_t a[32];
+    int8_t b[32];
+    int32_t c[8];
+    memcpy(a, &u, 32);
+    memcpy(b, &s, 32);
+    memcpy(c, &acc, 32);
+    for (int i = 0; i < 32; i++) c[i / 4] += (int32_t)a[i] * b[i];
+    return _mm256_loadu_si256((const __m256i *)c);
+}
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define qs_dpbusd _mm256_dpbusd_epi32
+#elif defined(QS_VNNI)
+#define qs_dpbusd _mm256_dpbusd_avx_epi32
+#endif
+
+/* Sum of 4 adjacent products of unsigned weights (0..127) and signed activations per lane.
+ * maddubs adds pairs into int16: 2 x 63 x 127 cannot saturate. */
+QS_INLINE isum dot_u(q32 w, q32 x) {
+#if defined(QS_VNNI)
+    return qs_dpbusd(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Signed weights: the products are unchanged if the weight's sign moves onto the activation,
+ * which makes the weight unsigned (|-128| = 128 still fits a byte; 2 x 128 x 127 does not
+ * saturate since activations stay within +-127). */
+QS_INLINE isum dot_s(q32 w, q32 x) { return dot_u(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+
+/* Q6_K: unsigned weights whose first and second 16 carry their own integer scales. */
+QS_INLINE isum dot_u_scaled(q32 w, q32 x, int sc0, int sc1) {
+    const __m256i scales = _mm256_set_m128i(_mm_set1_epi16((short)sc1), _mm_set1_epi16((short)sc0));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scales);
+}
+
+QS_INLINE fvec f_zero(void) { return _mm256_setzero_ps(); }
+QS_INLINE fvec f_splat(float v) { return _mm256_set1_ps(v); }
+QS_INLINE fvec f_splat_load(const float *p) { return _mm256_broadcast_ss(p); }
+QS_INLINE fvec facc_fma(fvec acc, isum s, fvec scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+}
+QS_INLINE float f_sum(fvec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Quantize 32 activations: q = round(x / d) with d = max|x| / 127 (round half to even: the
+ * MXCSR default), and the sums of q over each half (the offsets' activation side). */
+QS_INLINE float quantize32(const float *x, int8_t *q, int32_t sums[2]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f, id = d ? 1.0f / d : 0.0f;
+    __m256i n[4];
+    for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    /* int32 -> int8: packs interleaves 128-bit lanes; the permute puts them back in order. */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    q_store(q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i lo = _mm256_add_epi32(n[0], n[1]), hi = _mm256_add_epi32(n[2], n[3]);
+    const __m256i both = _mm256_hadd_epi32(lo, hi); /* [lo0+lo1, .., hi0+hi1, ..] per lane */
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+    sums[0] = _mm_extract_epi32(s, 0) + _mm_extract_epi32(s, 1);
+    sums[1] = _mm_extract_epi32(s, 2) + _mm_extract_epi32(s, 3);
+    return d;
+}
+
+#elif defined(QS_NEON) /* ========================================================== NEON */
+
+typedef struct { int8x16_t lo, hi; } q32;
+typedef int32x4_t isum;
+typedef float32x4_t fvec;
+
+QS_INLINE q32 q_load(const void *p) {
+    return (q32){vld1q_s8((const int8_t *)p), vld1q_s8((const int8_t *)p + 16)};
+}
+QS_INLINE void q_store(void *p, q32 v) {
+    vst1q_s8((int8_t *)p, v.lo);
+    vst1q_s8((int8_t *)p + 16, v.hi);
+}
+QS_INLINE q32 q_or(q32 a, q32 b) { return (q32){vorrq_s8(a.lo, b.lo), vorrq_s8(a.hi, b.hi)}; }
+
+QS_INLINE q32 q_nibbles16(const uint8_t *p) {
+    const uint8x16_t t = vld1q_u8(p);
+    return (q32){vreinterpretq_s8_u8(vandq_u8(t, vdupq_n_u8(0x0F))),
+                 vreinterpretq_s8_u8(vshrq_n_u8(t, 4))};
+}
+
+QS_INLINE q32 q_nibbles32(const uint8_t *p, const int hi) {
+    const uint8x16_t a = vld1q_u8(p), b = vld1q_u8(p + 16), m = vdupq_n_u8(0x0F);
+    if (hi)
+        return (q32){vreinterpretq_s8_u8(vshrq_n_u8(a, 4)), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
+    return (q32){vreinterpretq_s8_u8(vandq_u8(a, m)), vreinterpretq_s8_u8(vandq_u8(b, m))};
+}
+
+QS_INLINE int8x16_t qs_bits16(uint32_t bits16) { /* byte i = 16 if bit i of bits16 */
+    const uint8x16_t spread = vcombine_u8(vdup_n_u8((uint8_t)bits16), vdup_n_u8((uint8_t)(bits16 >> 8)));
+    const uint8x16_t bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ULL));
+    return vreinterpretq_s8_u8(vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(0x10)));
+}
+QS_INLINE q32 q_bits32(uint32_t bits) { return (q32){qs_bits16(bits & 0xFFFF), qs_bits16(bits >> 16)}; }
+
+QS_INLINE q32 q_bit_of(const uint8_t *p, const int j) {
+    const uint8x16_t bit = vdupq_n_u8((uint8_t)(1 << j)), sixteen = vdupq_n_u8(0x10);
+    return (q32){vreinterpretq_s8_u8(vandq_u8(vtstq_u8(vld1q_u8(p), bit), sixteen)),
+                 vreinterpretq_s8_u8(vandq_u8(vtstq_u8(vld1q_u8(p + 16), bit), sixteen))};
+}
+
+QS_INLINE q32 q_2bits_of(const uint8_t *p, const int shift) {
+    const int8x16_t right = vdupq_n_s8((int8_t)-shift); /* a negative left shift */
+    const uint8x16_t three = vdupq_n_u8(3);
+    const uint8x16_t a = vandq_u8(vshlq_u8(vld1q_u8(p), right), three);
+    const uint8x16_t b = vandq_u8(vshlq_u8(vld1q_u8(p + 16), right), three);
+    return (q32){vreinterpretq_s8_u8(vshlq_n_u8(a, 4)), vreinterpretq_s8_u8(vshlq_n_u8(b, 4))};
+}
+
+/* NEON multiplies signed by signed: unsigned weights below 128 are the same bytes. */
+QS_INLINE int32x4_t qs_dot16(int8x16_t w, int8x16_t x) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(vdupq_n_s32(0), w, x);
+#else
+    const int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+    const int16x8_t hi = vmull_high_s8(w, x);
+    return vpadalq_s16(vpaddlq_s16(lo), hi);
+#endif
+}
+QS_INLINE isum dot_u(q32 w, q32 x) { return vaddq_s32(qs_dot16(w.lo, x.lo), qs_dot16(w.hi, x.hi)); }
+QS_INLINE isum dot_s(q32 w, q32 x) { return dot_u(w, x); }
+QS_INLINE isum dot_u_scaled(q32 w, q32 x, int sc0, int sc1) {
+    return vmlaq_n_s32(vmulq_n_s32(qs_dot16(w.lo, x.lo), sc0), qs_dot16(w.hi, x.hi), sc1);
+}
+
+QS_INLINE fvec f_zero(void) { return vdupq_n_f32(0.0f); }
+QS_INLINE fvec f_splat(float v) { return vdupq_n_f32(v); }
+QS_INLINE fvec f_splat_load(const float *p) { return vld1q_dup_f32(p); }
+QS_INLINE fvec facc_fma(fvec acc, isum s, fvec scale) { return vfmaq_f32(acc, vcvtq_f32_s32(s), scale); }
+QS_INLINE float f_sum(fvec v) { return vaddvq_f32(v); }
+
+QS_INLINE float quantize32(const float *x, int8_t *q, int32_t sums[2]) {
+    float32x4_t v[8];
+    float32x4_t amax = vdupq_n_f32(0.0f);
+    for (int i = 0; i < 8; i++) {
+        v[i] = vld1q_f32(x + 4 * i);
+        amax = vmaxq_f32(amax, vabsq_f32(v[i]));
+    }
+    const float d = vmaxvq_f32(amax) / 127.0f, id = d ? 1.0f / d : 0.0f;
+    int32x4_t n[8];
+    for (int i = 0; i < 8; i++) n[i] = vcvtnq_s32_f32(vmulq_n_f32(v[i], id)); /* half to even */
+    for (int h = 0; h < 2; h++) {
+        const int32x4_t *m = n + 4 * h;
+        const int16x8_t a = vcombine_s16(vmovn_s32(m[0]), vmovn_s32(m[1]));
+        const int16x8_t b = vcombine_s16(vmovn_s32(m[2]), vmovn_s32(m[3]));
+        vst1q_s8(q + 16 * h, vcombine_s8(vmovn_s16(a), vmovn_s16(b)));
+        sums[h] = vaddvq_s32(vaddq_s32(vaddq_s32(m[0], m[1]), vaddq_s32(m[2], m[3])));
+    }
+    return d;
+}
+
+#else /* ================================================================== portable C */
+
+typedef struct { int8_t v[32]; } q32;
+typedef int32_t isum;
+typedef float fvec;
+
+QS_INLINE q32 q_load(const void *p) {
+    q32 r;
+    memcpy(r.v, p, 32);
+    return r;
+}
+QS_INLINE void q_store(void *p, q32 v) { memcpy(p, v.v, 32); }
+QS_INLINE q32 q_or(q32 a, q32 b) {
+    for (int i = 0; i < 32; i++) a.v[i] |= b.v[i];
+    return a;
+}
+QS_INLINE q32 q_nibbles16(const uint8_t *p) {
+    q32 r;
+    for (int i = 0; i < 16; i++) {
+        r.v[i] = (int8_t)(p[i] & 0x0F);
+        r.v[i + 16] = (int8_t)(p[i] >> 4);
+    }
+    return r;
+}
+QS_INLINE q32 q_nibbles32(const uint8_t *p, const int hi) {
+    q32 r;
+    for (int i = 0; i < 32; i++) r.v[i] = (int8_t)((p[i] >> (hi ? 4 : 0)) & 0x0F);
+    return r;
+}
+QS_INLINE q32 q_bits32(uint32_t bits) {
+    q32 r;
+    for (int i = 0; i < 32; i++) r.v[i] = (int8_t)(((bits >> i) & 1) << 4);
+    return r;
+}
+QS_INLINE q32 q_bit_of(const uint8_t *p, const int j) {
+    q32 r;
+    for (int i = 0; i < 32; i++) r.v[i] = (int8_t)(((p[i] >> j) & 1) << 4);
+    return r;
+}
+QS_INLINE q32 q_2bits_of(const uint8_t *p, const int shift) {
+    q32 r;
+    for (int i = 0; i < 32; i++) r.v[i] = (int8_t)(((p[i] >> shift) & 3) << 4);
+    return r;
+}
+/* (Unsigned weights are below 128: as int8 they are the same numbers.) */
+QS_INLINE isum dot_u(q32 w, q32 x) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += (int32_t)w.v[i] * x.v[i];
+    return s;
+}
+QS_INLINE isum dot_s(q32 w, q32 x) { return dot_u(w, x); }
+QS_INLINE isum dot_u_scaled(q32 w, q32 x, int sc0, int sc1) {
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 16; i++) {
+        s0 += (int32_t)w.v[i] * x.v[i];
+        s1 += (int32_t)w.v[i + 16] * x.v[i + 16];
+    }
+    return s0 * sc0 + s1 * sc1;
+}
+QS_INLINE fvec f_zero(void) { return 0.0f; }
+QS_INLINE fvec f_splat(float v) { return v; }
+QS_INLINE fvec f_splat_load(const float *p) { return *p; }
+QS_INLINE fvec facc_fma(fvec acc, isum s, fvec scale) { return acc + (float)s * scale; }
+QS_INLINE float f_sum(fvec v) { return v; }
+
+QS_INLINE float quantize32(const float *x, int8_t *q, int32_t sums[2]) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = x[i] > amax ? x[i] : -x[i] > amax ? -x[i] : amax;
+    const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+    sums[0] = sums[1] = 0;
+    for (int i = 0; i < 32; i++) {
+        /* round half to even, as the SIMD paths do (no libm: rint is not inlined everywhere) */
+        const float v = x[i] * id, f = __builtin_floorf(v), r = v - f;
+        int n = (int)f + (r > 0.5f || (r == 0.5f && ((int)f & 1)));
+        q[i] = (int8_t)n;
+        sums[i / 16] += n;
+    }
+    return d;
+}
+
+#endif
+
+
+/* GGML's type numbers (gguf.GGMLQuantizationType). */
+enum { QL_Q4_0 = 2, QL_Q4_1 = 3, QL_Q5_0 = 6, QL_Q5_1 = 7, QL_Q8_0 = 8,
+       QL_Q4_K = 12, QL_Q5_K = 13, QL_Q6_K = 14 };
+
+/* Tile shape: R x C accumulators plus C unpacked weight blocks and their scales must fit the
+ * vector registers (16 on AVX2, 32 with AVX-512 or on aarch64). 4 x 2 was the fastest of
+ * 4x2, 3x2, 2x2, 4x1, 2x3, 2x4 at 16-64 rows on the AVX2 EPYC here. (A test builds the other
+ * machines' shapes here: -DLOOM_QUANT_R=4 -DLOOM_QUANT_C=4.) */
+#ifndef LOOM_QUANT_R
+#if defined(QS_GENERIC)
+#define LOOM_QUANT_R 2 /* (scalar code: bigger tiles only make the build slower) */
+#else
+#define LOOM_QUANT_R 4
+#endif
+#endif
+#ifndef LOOM_QUANT_C
+#if defined(QS_GENERIC)
+#define LOOM_QUANT_C 1
+#elif defined(__AVX512F__) || defined(QS_NEON)
+#define LOOM_QUANT_C 4
+#else
+#define LOOM_QUANT_C 2
+#endif
+#endif
+#define QL_R LOOM_QUANT_R
+#define QL_C LOOM_QUANT_C
+/* Prefetch distance (bytes) in the weight stream: a one-row GEMV does too little work per
+ * byte for the hardware prefetcher alone to hide DRAM latency (which stops at every 4 KiB
+ * page). 1.2-1.5x faster one-row passes over the whole model here; 1 KiB and 4 KiB were no
+ * better. */
+#ifndef LOOM_QUANT_PF
+#define LOOM_QUANT_PF 2048
+#endif
+/* Activation rows per block of work: 64 rows x 1536 int8 features stay in L2. */
+#ifndef LOOM_QUANT_MC
+#define LOOM_QUANT_MC 64
+#endif
+
+/* Bytes per block and 32-element blocks per block (the K-quants' 256-element super-blocks). */
+QS_INLINE int ql_block_bytes(const int qt) {
+    switch (qt) {
+    case QL_Q4_0: return 18;
+    case QL_Q4_1: return 20;
+    case QL_Q5_0: return 22;
+    case QL_Q5_1: return 24;
+    case QL_Q8_0: return 34;
+    case QL_Q4_K: return 144;
+    case QL_Q5_K: return 176;
+    case QL_Q6_K: return 210;
+    default: return 0;
+    }
+}
+QS_INLINE int ql_subblocks(const int qt) { return qt >= QL_Q4_K ? 8 : 1; }
+QS_INLINE int ql_has_offset(const int qt) { return qt != QL_Q8_0; }
+/* Offsets per block: one (per 32 weights), or two for Q6_K's scales per 16. */
+QS_INLINE int ql_offsets(const int qt) { return qt == QL_Q6_K ? 2 : 1; }
+
+/* One 32-weight block, unpacked: w_i = d * sc(i) * q_i + o(i), sc(i) / o(i) the first values
+ * for i < 16 and the second for the rest (only Q6_K's differ: o1 is only set for Q6_K, and sc
+ * is 1 elsewhere). */
+typedef struct {
+    q32 q;
+    float d, o0, o1;
+    int sc0, sc1;
+} ql_block;
+
+/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (12 packed bytes). */
+QS_INLINE void ql_scale_min_k4(const uint8_t *s, const int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Block j (0 for the 32-element formats, 0..7 within a K-quant super-block) starting at blk. */
+QS_INLINE ql_block ql_decode(const int qt, const uint8_t *blk, const int j) {
+    ql_block b;
+    b.sc0 = b.sc1 = 1;
+    switch (qt) {
+    case QL_Q4_0:
+        b.d = qs_f16(blk);
+        b.q = q_nibbles16(blk + 2);
+        b.o0 = -8.0f * b.d;
+        break;
+    case QL_Q4_1:
+        qs_f16x2(blk, &b.d, &b.o0);
+        b.q = q_nibbles16(blk + 4);
+        break;
+    case QL_Q5_0: {
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        b.d = qs_f16(blk);
+        b.q = q_or(q_nibbles16(blk + 6), q_bits32(qh));
+        b.o0 = -16.0f * b.d;
+        break;
+    }
+    case QL_Q5_1: {
+        uint32_t qh;
+        memcpy(&qh, blk + 4, 4);
+        qs_f16x2(blk, &b.d, &b.o0);
+        b.q = q_or(q_nibbles16(blk + 8), q_bits32(qh));
+        break;
+    }
+    case QL_Q8_0:
+        b.d = qs_f16(blk);
+        b.q = q_load(blk + 2);
+        b.o0 = 0.0f;
+        break;
+    case QL_Q4_K:
+    case QL_Q5_K: { /* d, dmin, 12 bytes of scales, (Q5_K: 32 bytes of fifth bits), nibbles */
+        int sc, m;
+        float d, dmin;
+        ql_scale_min_k4(blk + 4, j, &sc, &m);
+        qs_f16x2(blk, &d, &dmin);
+        b.d = d * (float)sc;
+        b.o0 = -dmin * (float)m;
+        if (qt == QL_Q4_K)
+            b.q = q_nibbles32(blk + 16 + 32 * (j / 2), j & 1);
+        else
+            b.q = q_or(q_nibbles32(blk + 48 + 32 * (j / 2), j & 1), q_bit_of(blk + 16, j));
+        break;
+    }
+    case QL_Q6_K: { /* 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d */
+        const int half = j / 4, part = j % 4;
+        const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 2 * part;
+        const float d = qs_f16(blk + 208);
+        b.q = q_or(q_nibbles32(blk + 64 * half + 32 * (part & 1), part >= 2),
+                   q_2bits_of(blk + 128 + 32 * half, 2 * part));
+        b.d = d;
+        b.sc0 = sc[0];
+        b.sc1 = sc[1];
+        b.o0 = -32.0f * d * (float)sc[0]; /* q is 0..63 for -32..31 */
+        b.o1 = -32.0f * d * (float)sc[1];
+        break;
+    }
+    default:
+        __builtin_unreachable();
+    }
+    return b;
+}
+
+QS_INLINE isum ql_dot(const int qt, const ql_block *b, q32 x) {
+    if (qt == QL_Q8_0) return dot_s(b->q, x);
+    if (qt == QL_Q6_K) return dot_u_scaled(b->q, x, b->sc0, b->sc1);
+    return dot_u(b->q, x);
+}
+
+/* -- activations ------------------------------------------------------------------------- */
+
+/* x quantized per 32-element block: q [M][K], d [M][K/32], and the offsets' activation side:
+ * d times the sum of q over each 32 (s32 [M][K/32]) and each 16 (s16 [M][K/16]). */
+typedef struct {
+    int8_t *q;
+    float *d, *s32, *s16;
+    int64_t K, nb;
+    /* Two-block layout (ql_pairs below): q's pairs of blocks interleaved by halves, d8 [M][4 nb]
+     * = 4 copies of each block's d, s4 [M][2 nb] = each pair's offset factors. */
+    int pairs, qt;
+    float *d8, *s4;
+} ql_acts;
+
+static void ql_interleave_pairs(const ql_acts *a, int8_t *q, const float *d, const float *s32,
+                                const int64_t row);
+
+static void ql_quantize_row(const float *x, const ql_acts *a, const int64_t row) {
+    int8_t *q = a->q + row * a->K;
+    float *d = a->d + row * a->nb, *s32 = a->s32 + row * a->nb, *s16 = a->s16 + row * 2 * a->nb;
+    for (int64_t b = 0; b < a->nb; b++) {
+        int32_t sums[2];
+        d[b] = quantize32(x + 32 * b, q + 32 * b, sums);
+        s16[2 * b] = d[b] * (float)sums[0];
+        s16[2 * b + 1] = d[b] * (float)sums[1];
+        s32[b] = d[b] * (float)(sums[0] + sums[1]);
+    }
+    if (a->pairs) ql_interleave_pairs(a, q, d, s32, row);
+}
+
+/* -- two blocks at a time (AVX2, 4- and 5-bit formats) ------------------------------------- */
+
+/* A 4/5-bit block's 16 bytes hold its values in two halves (low nibbles: values 0..15, high:
+ * 16..31). Two consecutive blocks loaded into one register unpack to [first halves of both],
+ * [second halves of both]: with the activations stored in that order, two multiply-adds and
+ * one int16 add give each block's sums in its own 128-bit lane, and the conversion, scaling
+ * and accumulation that follow are shared by the two blocks (2 x 31 x 127 x 2 fits int16).
+ * Per weight row and pair: 25 instructions instead of 34 (one-row GEMV 1.3x faster here). */
+#if defined(QS_AVX2)
+QS_INLINE int ql_pairs(const int qt) {
+    return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q5_1;
+}
+#else
+QS_INLINE int ql_pairs(const int qt) { (void)qt; return 0; }
+#endif
+
+#if defined(QS_AVX2)
+/* The weights' offset against the activation sums, in the lanes of the [d, m, d', m'] vector
+ * ql_pair carries: Q4_0 / Q5_0 subtract 8 / 16 times d, Q4_1 / Q5_1 add m. */
+QS_INLINE void ql_pair_offset_factors(const int qt, float *kd, float *km) {
+    *kd = qt == QL_Q4_0 ? -8.0f : qt == QL_Q5_0 ? -16.0f : 0.0f;
+    *km = qt == QL_Q4_1 || qt == QL_Q5_1 ? 1.0f : 0.0f;
+}
+
+/* Row `row`'s quantized blocks (plain order) -> pairs interleaved by halves, and the pair
+ * scale (d8) and offset (s4) vectors. An odd last block stays as it is. */
+static void ql_interleave_pairs(const ql_acts *a, int8_t *q, const float *d, const float *s32,
+                                const int64_t row) {
+    float kd, km;
+    ql_pair_offset_factors(a->qt, &kd, &km);
+    float *d8 = a->d8 + row * 4 * a->nb, *s4 = a->s4 + row * 2 * a->nb;
+    for (int64_t p = 0; p < a->nb / 2; p++) {
+        const __m256i b0 = q_load(q + 64 * p), b1 = q_load(q + 64 * p + 32);
+        q_store(q + 64 * p, _mm256_permute2x128_si256(b0, b1, 0x20));
+        q_store(q + 64 * p + 32, _mm256_permute2x128_si256(b0, b1, 0x31));
+        _mm256_storeu_ps(d8 + 8 * p, _mm256_setr_m128(_mm_set1_ps(d[2 * p]), _mm_set1_ps(d[2 * p + 1])));
+        const float s0 = s32[2 * p], s1 = s32[2 * p + 1];
+        _mm_storeu_ps(s4 + 4 * p, _mm_setr_ps(kd * s0, km * s0, kd * s1, km * s1));
+    }
+}
+
+typedef struct {
+    __m256i lo, hi; /* first halves of both blocks, second halves of both */
+    __m128 dm;      /* d, m, d', m' (m = 0 for Q4_0 / Q5_0) */
+} ql_pair;
+
+/* Byte i of lane L = 16 if bit (i + 16 h) of the lane's 32-bit word is set: a fifth bit. */
+QS_INLINE __m256i ql_pair_bits(__m256i words, const int h) {
+    const __m256i pick = h ? _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                               0x0303030303030303, 0x0202020202020202)
+                           : _mm256_set_epi64x(0x0101010101010101, 0, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(words, pick), bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+QS_INLINE ql_pair ql_decode_pair(const int qt, const uint8_t *b0, const int bytes) {
+    const uint8_t *b1 = b0 + bytes;
+    const int has_m = qt == QL_Q4_1 || qt == QL_Q5_1, five = qt == QL_Q5_0 || qt == QL_Q5_1;
+    const int qs = 2 + 2 * has_m + 4 * five;
+    ql_pair p;
+    const __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + qs))),
+        _mm_loadu_si128((const __m128i *)(b1 + qs)), 1);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    p.lo = _mm256_and_si256(raw, nibble);
+    p.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    if (five) {
+        uint32_t h0, h1;
+        memcpy(&h0, b0 + 2 + 2 * has_m, 4);
+        memcpy(&h1, b1 + 2 + 2 * has_m, 4);
+        const __m256i words = _mm256_set_m128i(_mm_set1_epi32((int)h1), _mm_set1_epi32((int)h0));
+        p.lo = _mm256_or_si256(p.lo, ql_pair_bits(words, 0));
+        p.hi = _mm256_or_si256(p.hi, ql_pair_bits(words, 1));
+    }
+    uint32_t s0 = 0, s1 = 0; /* d (and m) of each block, as 2 halves of a 32-bit word */
+    memcpy(&s0, b0, has_m ? 4 : 2);
+    memcpy(&s1, b1, has_m ? 4 : 2);
+    p.dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)s0), (int)s1, 1));
+    return p;
+}
+
+QS_INLINE __m256i ql_pair_dot(const ql_pair *w, __m256i x_lo, __m256i x_hi) {
+#if defined(QS_VNNI)
+    return qs_dpbusd(qs_dpbusd(_mm256_setzero_si256(), w->lo, x_lo), w->hi, x_hi);
+#else
+    const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w->lo, x_lo),
+                                       _mm256_maddubs_epi16(w->hi, x_hi));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+
+/* ql_tile for the two-block formats: pairs, then an odd last block on its own. woff holds
+ * each weight row's [d, m, d', m'] per pair (4 per pair: 2 nb floats). */
+QS_INLINE void ql_tile_pairs(const int qt, const int R, const int C, const uint8_t *w,
+                             const int64_t wrow, const ql_acts *a, const int64_t r0, float *y,
+                             const int64_t ldy, const float *bias, float *restrict woff) {
+    const int bytes = ql_block_bytes(qt);
+    const int64_t nb = a->nb, np = nb / 2;
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    __m256 acc[QL_R][QL_C];
+    float tail[QL_C]; /* the odd block's offset */
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        ql_pair wp[QL_C];
+        __m256 wd[QL_C];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; c++) {
+            if (LOOM_QUANT_PF) __builtin_prefetch(w + c * wrow + 2 * p * bytes + LOOM_QUANT_PF, 0, 3);
+            wp[c] = ql_decode_pair(qt, w + c * wrow + 2 * p * bytes, bytes);
+            wd[c] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(wp[c].dm), spread);
+            _mm_storeu_ps(woff + c * 2 * nb + 4 * p, wp[c].dm);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = a->q + (r0 + r) * a->K + 64 * p;
+            const __m256i x_lo = q_load(xq), x_hi = q_load(xq + 32);
+            const __m256 xd = _mm256_loadu_ps(a->d8 + (r0 + r) * 4 * nb + 8 * p);
+#pragma GCC unroll 16
+            for (int c = 0; c < C; c++)
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ql_pair_dot(&wp[c], x_lo, x_hi)),
+                                            _mm256_mul_ps(wd[c], xd), acc[r][c]);
+        }
+    }
+    if (nb & 1) {
+        const int64_t b = nb - 1;
+#pragma GCC unroll 16
+        for (int c = 0; c < C; c++) {
+            const ql_block blk = ql_decode(qt, w + c * wrow + b * bytes, 0);
+            tail[c] = blk.o0;
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const isum s = ql_dot(qt, &blk, q_load(a->q + (r0 + r) * a->K + 32 * b));
+                acc[r][c] = facc_fma(acc[r][c], s, f_splat(blk.d * a->d[(r0 + r) * nb + b]));
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        const float *s4 = a->s4 + (r0 + r) * 2 * nb;
+#pragma GCC unroll 16
+        for (int c = 0; c < C; c++) {
+            const float *o = woff + c * 2 * nb;
+            float v = f_sum(acc[r][c]);
+            for (int64_t i = 0; i < 4 * np; i++) v += o[i] * s4[i];
+            if (nb & 1) v += tail[c] * a->s32[(r0 + r) * nb + nb - 1];
+            y[r * ldy + c] = bias ? v + bias[c] : v;
+        }
+    }
+}
+#else
+static void ql_interleave_pairs(const ql_acts *a, int8_t *q, const float *d, const float *s32,
+                                const int64_t row) {
+    (void)a, (void)q, (void)d, (void)s32, (void)row;
+}
+QS_INLINE void ql_tile_pairs(const int qt, const int R, const int C, const uint8_t *w,
+                             const int64_t wrow, const ql_acts *a, const int64_t r0, float *y,
+                             const int64_t ldy, const float *bias, float *restrict woff) {
+    (void)qt, (void)R, (void)C, (void)w, (void)wrow, (void)a, (void)r0, (void)y, (void)ldy,
+        (void)bias, (void)woff;
+}
+#endif
+
+/* -- the R x C tile ---------------------------------------------------------------------- */
+
+/* y[r][c] for R activation rows (from row r0) and C weight rows (w, wrow bytes apart).
+ * woff [C][2 nb] is scratch for the weights' offsets (ql_offsets(qt) per block). */
+QS_INLINE void ql_tile(const int qt, const int R, const int C, const uint8_t *w,
+                       const int64_t wrow, const ql_acts *a, const int64_t r0, float *y,
+                       const int64_t ldy, const float *bias, float *restrict woff) {
+    if (ql_pairs(qt)) {
+        ql_tile_pairs(qt, R, C, w, wrow, a, r0, y, ldy, bias, woff);
+        return;
+    }
+    const int sub = ql_subblocks(qt), bytes = ql_block_bytes(qt);
+    const int64_t nb = a->nb, nsuper = nb / sub;
+    fvec acc[QL_R][QL_C];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < C; c++) acc[r][c] = f_zero();
+    for (int64_t s = 0; s < nsuper; s++) {
+#pragma GCC unroll 8
+        for (int j = 0; j < sub; j++) {
+            const int64_t b = s * sub + j;
+            ql_block wb[QL_C];
+            fvec wd[QL_C];
+#pragma GCC unroll 16
+            for (int c = 0; c < C; c++) {
+                if (LOOM_QUANT_PF && (bytes < 64 || j % 2 == 0))
+                    __builtin_prefetch(w + c * wrow + s * bytes + 32 * j + LOOM_QUANT_PF, 0, 3);
+                wb[c] = ql_decode(qt, w + c * wrow + s * bytes, j);
+                wd[c] = f_splat(wb[c].d);
+                if (ql_offsets(qt) == 2) {
+                    woff[c * 2 * nb + 2 * b] = wb[c].o0;
+                    woff[c * 2 * nb + 2 * b + 1] = wb[c].o1;
+                } else if (ql_has_offset(qt)) {
+                    woff[c * nb + b] = wb[c].o0;
+                }
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const q32 xq = q_load(a->q + (r0 + r) * a->K + 32 * b);
+                const fvec xd = f_splat_load(a->d + (r0 + r) * nb + b);
+#pragma GCC unroll 16
+                for (int c = 0; c < C; c++)
+                    acc[r][c] = facc_fma(acc[r][c], ql_dot(qt, &wb[c], xq), wd[c] * xd);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        const int64_t n_off = ql_offsets(qt) * nb;
+        const float *xs = (ql_offsets(qt) == 2 ? a->s16 : a->s32) + (r0 + r) * n_off;
+#pragma GCC unroll 16
+        for (int c = 0; c < C; c++) {
+            float v = f_sum(acc[r][c]);
+            if (ql_has_offset(qt)) {
+                const float *o = woff + c * n_off;
+                float off = 0.0f;
+                for (int64_t i = 0; i < n_off; i++) off += o[i] * xs[i];
+                v += off;
+            }
+            y[r * ldy + c] = bias ? v + bias[c] : v;
+        }
+    }
+}
+
+/* Rows r0 .. r0 + rows of the row block against C weight rows: full R-row tiles, then one
+ * tile for the remainder, each a specialised (constant R, C) copy of ql_tile. */
+#define QL_CASE(n) case n: ql_tile(qt, n, C, w, wrow, a, r, y + (r - r0) * ldy, ldy, bias, woff); break;
+QS_INLINE void ql_row_block(const int qt, const int C, const uint8_t *w, const int64_t wrow,
+                            const ql_acts *a, const int64_t r0, const int rows, float *y,
+                            const int64_t ldy, const float *bias, float *woff) {
+    if (C < QL_C) { /* the narrow last tile of an odd width: rare, so one row at a time */
+        for (int64_t r = r0; r < r0 + rows; r++)
+            ql_tile(qt, 1, C, w, wrow, a, r, y + (r - r0) * ldy, ldy, bias, woff);
+        return;
+    }
+    for (int64_t r = r0; r < r0 + rows; r += QL_R) {
+        const int n = r0 + rows - r < QL_R ? (int)(r0 + rows - r) : QL_R;
+        switch (n) {
+        QL_CASE(1)
+#if QL_R > 1
+        QL_CASE(2)
+#endif
+#if QL_R > 2
+        QL_CASE(3)
+#endif
+#if QL_R > 3
+        QL_CASE(4)
+#endif
+#if QL_R > 4
+        QL_CASE(5)
+#endif
+#if QL_R > 5
+        QL_CASE(6)
+#endif
+#if QL_R > 6
+#error "LOOM_QUANT_R above 6: add cases"
+#endif
+        }
+    }
+}
+
+/* Chunk `chunk` of the work: a block of activation rows against a run of C-row weight tiles
+ * (the last tile of the matrix may be narrower: done one weight row at a time). */
+QS_INLINE void ql_chunk(const int qt, const uint8_t *w, const int64_t wrow, const ql_acts *a,
+                        const float *bias, float *y, const int64_t ldy, const int M, const int N,
+                        const int tiles_per_run, const int runs, const int chunk,
+                        float *woff) {
+    const int64_t m0 = (int64_t)(chunk / runs) * LOOM_QUANT_MC;
+    const int rows = M - m0 < LOOM_QUANT_MC ? (int)(M - m0) : LOOM_QUANT_MC;
+    const int n0 = chunk % runs * tiles_per_run * QL_C;
+    const int n1 = n0 + tiles_per_run * QL_C < N ? n0 + tiles_per_run * QL_C : N;
+    for (int n = n0; n < n1; n += QL_C) {
+        float *yt = y + m0 * ldy + n;
+        const float *bt = bias ? bias + n : NULL;
+        if (n1 - n >= QL_C) {
+            ql_row_block(qt, QL_C, w + n * wrow, wrow, a, m0, rows, yt, ldy, bt, woff);
+        } else {
+            for (int c = n; c < n1; c++)
+                ql_row_block(qt, 1, w + c * wrow, wrow, a, m0, rows, y + m0 * ldy + c, ldy,
+                             bias ? bias + c : NULL, woff);
+        }
+    }
+}
+
+#define QL_DEFINE_CHUNK(QT)                                                                  \
+    static void ql_chunk_##QT(const uint8_t *w, int64_t wrow, const ql_acts *a,             \
+                              const float *bias, float *y, int64_t ldy, int M, int N,       \
+                              int tiles_per_run, int runs, int chunk, float *woff) {        \
+        ql_chunk(QT, w, wrow, a, bias, y, ldy, M, N, tiles_per_run, runs, chunk, woff);     \
+    }
+QL_DEFINE_CHUNK(QL_Q4_0)
+QL_DEFINE_CHUNK(QL_Q4_1)
+QL_DEFINE_CHUNK(QL_Q5_0)
+QL_DEFINE_CHUNK(QL_Q5_1)
+QL_DEFINE_CHUNK(QL_Q8_0)
+QL_DEFINE_CHUNK(QL_Q4_K)
+QL_DEFINE_CHUNK(QL_Q5_K)
+QL_DEFINE_CHUNK(QL_Q6_K)
+
+typedef void (*ql_chunk_fn)(const uint8_t *, int64_t, const ql_acts *, const float *, float *,
+                            int64_t, int, int, int, int, int, float *);
+
+static ql_chunk_fn ql_chunk_for(const int qt) {
+    switch (qt) {
+    case QL_Q4_0: return ql_chunk_QL_Q4_0;
+    case QL_Q4_1: return ql_chunk_QL_Q4_1;
+    case QL_Q5_0: return ql_chunk_QL_Q5_0;
+    case QL_Q5_1: return ql_chunk_QL_Q5_1;
+    case QL_Q8_0: return ql_chunk_QL_Q8_0;
+    case QL_Q4_K: return ql_chunk_QL_Q4_K;
+    case QL_Q5_K: return ql_chunk_QL_Q5_K;
+    case QL_Q6_K: return ql_chunk_QL_Q6_K;
+    default: return NULL;
+    }
+}
+
+/* The quantized activations live in a per-thread buffer that only grows: a decode step calls
+ * this ~200 times, and a fresh allocation of a prefill chunk's size would be fresh pages. */
+static __thread void *ql_scratch;
+static __thread size_t ql_scratch_bytes;
+
+static void *ql_scratch_for(size_t bytes) {
+    if (bytes > ql_scratch_bytes) {
+        free(ql_scratch);
+        bytes = (bytes + 4095) & ~(size_t)4095;
+        ql_scratch = aligned_alloc(64, bytes);
+        ql_scratch_bytes = ql_scratch ? bytes : 0;
+    }
+    return ql_scratch;
+}
+
+/* -- float32 activations: dequantized panels ---------------------------------------------- */
+
+/* At hundreds of rows (a prefill chunk) the arithmetic, not the weight traffic, is what
+ * counts, and on AVX2 without VNNI packed_linear.c's float32 FMA tile does it faster than the
+ * integer path (~32 vs ~24 GMAC/s per core on the EPYC here): each panel of NR weight rows is
+ * dequantized once per call into packed_linear.c's panel layout and multiplied with all rows
+ * by its tile. The output is x @ W^T to float32 rounding, with no activation quantization:
+ * different numbers from the integer path, so a caller picks one path per kind of call. */
+#if !defined(NR) /* (decoder.c may have included packed_linear.c already) */
+#include "packed_linear.c"
+#endif
+
+static __thread float *ql_panel;
+static __thread size_t ql_panel_floats;
+
+static float *ql_panel_for(size_t floats) {
+    if (floats > ql_panel_floats) {
+        free(ql_panel);
+        ql_panel = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
+        ql_panel_floats = ql_panel ? floats : 0;
+    }
+    return ql_panel;
+}
+
+/* cols (<= NR) weight rows from w as a panel [K][NR], columns past cols zero. */
+QS_INLINE void ql_dequantize_panel(const int qt, const uint8_t *w, const int64_t wrow,
+                                   const int cols, const int K, float *restrict panel) {
+    const int sub = ql_subblocks(qt), bytes = ql_block_bytes(qt);
+    if (cols < NR) memset(panel, 0, sizeof(float) * (size_t)K * NR);
+    for (int c = 0; c < cols; c++) {
+        const uint8_t *row = w + c * wrow;
+        for (int b = 0; b < K / 32; b++) {
+            const ql_block blk = ql_decode(qt, row + (int64_t)(b / sub) * bytes, b % sub);
+            int8_t q[32];
+            q_store(q, blk.q);
+            const float d0 = blk.d * (float)blk.sc0, d1 = blk.d * (float)blk.sc1;
+            const float o0 = ql_has_offset(qt) ? blk.o0 : 0.0f;
+            const float o1 = ql_offsets(qt) == 2 ? blk.o1 : o0;
+            float *p = panel + (int64_t)32 * b * NR + c;
+            for (int k = 0; k < 16; k++) {
+                p[k * NR] = d0 * (float)q[k] + o0;
+                p[(16 + k) * NR] = d1 * (float)q[16 + k] + o1;
+            }
+        }
+    }
+}
+
+QS_INLINE void ql_f32_panel(const int qt, const float *x, const int64_t ldx, const uint8_t *w,
+                            const int64_t wrow, const float *bias, float *y, const int64_t ldy,
+                            const int M, const int N, const int K, const int p, float *panel) {
+    const int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
+    float bp[NR]; /* the tile reads a whole panel of bias */
+    if (bias) {
+        memset(bp, 0, sizeof bp);
+        memcpy(bp, bias + n0, sizeof(float) * (size_t)cols);
+    }
+    ql_dequantize_panel(qt, w + n0 * wrow, wrow, cols, K, panel);
+    for (int m = 0; m < M; m += MR)
+        rows_f32(M - m < MR ? M - m : MR, K, x + (int64_t)m * ldx, ldx, panel,
+                 y + (int64_t)m * ldy + n0, ldy, cols, bias ? bp : NULL, NULL);
+}
+
+#define QL_DEFINE_F32_PANEL(QT)                                                              \
+    static void ql_f32_panel_##QT(const float *x, int64_t ldx, const uint8_t *w, int64_t wrow, \
+                                  const float *bias, float *y, int64_t ldy, int M, int N,     \
+                                  int K, int p, float *panel) {                               \
+        ql_f32_panel(QT, x, ldx, w, wrow, bias, y, ldy, M, N, K, p, panel);                   \
+    }
+QL_DEFINE_F32_PANEL(QL_Q4_0)
+QL_DEFINE_F32_PANEL(QL_Q4_1)
+QL_DEFINE_F32_PANEL(QL_Q5_0)
+QL_DEFINE_F32_PANEL(QL_Q5_1)
+QL_DEFINE_F32_PANEL(QL_Q8_0)
+QL_DEFINE_F32_PANEL(QL_Q4_K)
+QL_DEFINE_F32_PANEL(QL_Q5_K)
+QL_DEFINE_F32_PANEL(QL_Q6_K)
+
+typedef void (*ql_f32_panel_fn)(const float *, int64_t, const uint8_t *, int64_t, const float *,
+                                float *, int64_t, int, int, int, int, float *);
+
+static ql_f32_panel_fn ql_f32_panel_for(const int qt) {
+    switch (qt) {
+    case QL_Q4_0: return ql_f32_panel_QL_Q4_0;
+    case QL_Q4_1: return ql_f32_panel_QL_Q4_1;
+    case QL_Q5_0: return ql_f32_panel_QL_Q5_0;
+    case QL_Q5_1: return ql_f32_panel_QL_Q5_1;
+    case QL_Q8_0: return ql_f32_panel_QL_Q8_0;
+    case QL_Q4_K: return ql_f32_panel_QL_Q4_K;
+    case QL_Q5_K: return ql_f32_panel_QL_Q5_K;
+    case QL_Q6_K: return ql_f32_panel_QL_Q6_K;
+    default: return NULL;
+    }
+}
+
+/* -- entry points ------------------------------------------------------------------------ */
+
+/* Which block formats this build multiplies (1) or not (0). */
+int loom_quant_supported(int qtype) { return ql_chunk_for(qtype) != NULL; }
+
+/* The instruction set this build uses: 0 portable C, 1 AVX2, 2 AVX2 + VNNI, 3 NEON. */
+int loom_quant_isa(void) {
+#if defined(QS_AVX2) && defined(QS_VNNI)
+    return 2;
+#elif defined(QS_AVX2)
+    return 1;
+#elif defined(QS_NEON)
+    return 3;
+#else
+    return 0;
+#endif
+}
+
+/* x [M, K] (row stride ldx) float32; w [N] rows of wrow bytes of `qtype` blocks covering K
+ * (a multiple of the block's elements); bias [N] or NULL; y [M, N] (row stride ldy).
+ * Returns 0, -1 for an unsupported qtype or K, -2 when scratch memory could not be had. */
+int loom_quant_linear(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t wrow,
+                      const float *bias, float *y, int64_t ldy, int M, int N, int K) {
+    const ql_chunk_fn run = ql_chunk_for(qtype);
+    if (run == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t nb = K / 32;
+    const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
+    char *mem = ql_scratch_for(qbytes + sizeof(float) * (size_t)M * 10 * nb);
+    if (mem == NULL) return -2;
+    float *f = (float *)(mem + qbytes);
+    const ql_acts a = {.q = (int8_t *)mem, .d = f, .s32 = f + M * nb, .s16 = f + 2 * M * nb,
+                       .K = K, .nb = nb, .pairs = ql_pairs(qtype), .qt = qtype,
+                       .d8 = f + 4 * M * nb, .s4 = f + 8 * M * nb};
+
+    const int threads = omp_get_max_threads();
+    const int tiles = (N + QL_C - 1) / QL_C;
+    const int tiles_per_run = tiles / (threads * 8) > 1 ? tiles / (threads * 8) : 1;
+    const int runs = (tiles + tiles_per_run - 1) / tiles_per_run;
+    const int chunks = (M + LOOM_QUANT_MC - 1) / LOOM_QUANT_MC * runs;
+#pragma omp parallel
+    {
+        float woff[QL_C * 2 * nb];
+#pragma omp for schedule(static)
+        for (int r = 0; r < M; r++) ql_quantize_row(x + (int64_t)r * ldx, &a, r);
+#pragma omp for schedule(dynamic, 1)
+        for (int chunk = 0; chunk < chunks; chunk++)
+            run(w, wrow, &a, bias, y, ldy, M, N, tiles_per_run, runs, chunk, woff);
+    }
+    return 0;
+}
+
+/* out [n, K] = the rows ids[0..n) of W, dequantized (an embedding lookup from a quantized
+ * table). Returns 0, or -1 for an unsupported qtype or K. */
+int loom_quant_dequantize_rows(int qtype, const uint8_t *w, int64_t wrow, const int64_t *ids,
+                               int n, int K, float *out) {
+    if (ql_chunk_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    const int sub = ql_subblocks(qtype), bytes = ql_block_bytes(qtype);
+    for (int i = 0; i < n; i++) {
+        const uint8_t *row = w + ids[i] * wrow;
+        float *o = out + (int64_t)i * K;
+        for (int b = 0; b < K / 32; b++) {
+            const ql_block blk = ql_decode(qtype, row + (int64_t)(b / sub) * bytes, b % sub);
+            int8_t q[32];
+            q_store(q, blk.q);
+            const float d0 = blk.d * (float)blk.sc0, d1 = blk.d * (float)blk.sc1;
+            const float o0 = ql_has_offset(qtype) ? blk.o0 : 0.0f;
+            const float o1 = ql_offsets(qtype) == 2 ? blk.o1 : o0;
+            for (int k = 0; k < 16; k++) {
+                o[32 * b + k] = d0 * (float)q[k] + o0;
+                o[32 * b + 16 + k] = d1 * (float)q[16 + k] + o1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* As loom_quant_linear, with float32 activations: W dequantized panel by panel (see above).
+ * Returns 0, -1 for an unsupported qtype or K, -2 when scratch memory could not be had. */
+int loom_quant_linear_f32(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                          int64_t wrow, const float *bias, float *y, int64_t ldy, int M, int N,
+                          int K) {
+    const ql_f32_panel_fn run = ql_f32_panel_for(qtype);
+    if (run == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int panels = (N + NR - 1) / NR;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *panel = ql_panel_for((size_t)K * NR);
+        failed = panel == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int p = 0; p < panels; p++)
+            if (panel) run(x, ldx, w, wrow, bias, y, ldy, M, N, K, p, panel);
+    }
+    return failed ? -2 : 0;
+}
