@@ -13,6 +13,7 @@ serve: model
 	$(BIN)/loom serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: model test-tools
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Prometheus test scrapes Loom with a real Prometheus server: install Debian's package

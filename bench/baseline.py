@@ -43,9 +43,9 @@ def run_baseline(cfg: BaselineConfig, log=print, clean: CleanRuns | None = None)
     model.eval()
     try:
         _generate(model, tokenizer, [prompt_ids(PROMPT_INDEX_BASE, 16)], 4)  # warm-up
-        sequential = clean.run("baseline sequential", lambda: _sequential(model, tokenizer, cfg))
+        sequential = clean.run("baseline sequential", lambda m=model: _sequential(m, tokenizer, cfg))
         log(f"baseline: sequential {sequential['tok_s']:.1f} tok/s")
-        batched = clean.run("baseline batch", lambda: _batched(model, tokenizer, cfg))
+        batched = clean.run("baseline batch", lambda m=model: _batched(m, tokenizer, cfg))
         log(f"baseline: static batch of {cfg.batch_size} {batched['tok_s']:.1f} tok/s")
     finally:
         del model

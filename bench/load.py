@@ -16,9 +16,9 @@ import httpx
 
 from bench.clean_runs import CleanRuns
 from bench.endpoint import http_client
+from bench.http_stream import StreamingConnection
 from bench.prompts import PromptSource
 from bench.server_metrics import level_breakdown, scrape
-from bench.http_stream import StreamingConnection
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import percentile
 from pipelines.cpu_placement import short_time_slice

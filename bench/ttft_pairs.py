@@ -20,8 +20,8 @@ import asyncio
 
 from bench.endpoint import http_client
 from bench.http_stream import StreamingConnection
-from bench.server_metrics import PREFIX, scrape
 from bench.prompts import prompt_ids
+from bench.server_metrics import PREFIX, scrape
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import median, percentile
 from pipelines.cpu_placement import short_time_slice

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from pipelines import SamplingParams, TextContext
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from pipelines import SamplingParams, TextContext
 from tests.helpers import make_tiny_checkpoint
 from worker.attention import build_attention_metadata
 from worker.model_config import RunnerConfig

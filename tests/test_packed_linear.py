@@ -5,7 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.packed_linear import LinearKernel, PackedLinear, pack_linear_layers, packed_linear_available
+from worker.packed_linear import (
+    LinearKernel,
+    PackedLinear,
+    pack_linear_layers,
+    packed_linear_available,
+)
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(torch.float32),
                                 reason="no native kernel here: PyTorch's GEMM is used")
