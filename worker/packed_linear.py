@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from worker import hugepages
-from worker.kernels import load_kernel
+from worker.kernels import cpu_flags, load_kernel
 
 
 class LinearKernel:
@@ -105,18 +105,7 @@ def packing_pays_off(dtype: torch.dtype) -> bool:
     processes starting up, the timings picked the slower one.)"""
     if not packed_linear_available(dtype):
         return False
-    return not (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags())
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return not (dtype == torch.bfloat16 and "amx_bf16" in cpu_flags())
 
 
 def pack_linear_layers(model: nn.Module) -> int:

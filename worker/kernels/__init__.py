@@ -136,7 +136,7 @@ def _gemm_simd() -> str | None:
     if lanes == 16:
         return "AVX-512"
     if lanes == 8:
-        return "AVX2" if "avx2" in _cpu_flags() else "AVX"
+        return "AVX2" if "avx2" in cpu_flags() else "AVX"
     return "NEON" if platform.machine() in ("aarch64", "arm64") else "SSE"
 
 
@@ -156,7 +156,7 @@ def _target_march() -> str:
     march = os.environ.get("LOOM_KERNEL_MARCH") or "native"
     if march not in _MARCH_FLAGS:  # native, or a target we cannot check: the user's call
         return march
-    missing = _MARCH_FLAGS[march] - _cpu_flags()
+    missing = _MARCH_FLAGS[march] - cpu_flags()
     if missing or platform.machine() not in ("x86_64", "AMD64"):
         _warn_once(f"march:{march}", "LOOM_KERNEL_MARCH=%s does not fit this CPU (lacks %s): "
                    "building the kernels for it instead (-march=native)", march,
@@ -190,7 +190,7 @@ def _cpu_identity() -> bytes:
         return b""
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
