@@ -13,17 +13,55 @@ from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 
 
-# qwen2: a qkv bias; bfloat16: bf16 weights and cache, float32 activations
+# qwen2: a qkv bias; bfloat16: bf16 weights and cache, float32 activations; quantized: GGUF
+# blocks of three formats (QuantLinear) in place of the packed float32 projections
 @pytest.fixture(scope="module", params=[("llama", "float32"), ("qwen2", "float32"),
-                                        ("llama", "bfloat16")])
+                                        ("llama", "bfloat16"), ("llama", "quantized"),
+                                        ("qwen2", "quantized")])
 def runner(request, smollm2_dir, tmp_path_factory):
     arch, dtype = request.param
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(arch)), smollm2_dir,
                                 architecture=arch, seed=3)
-    runner = ModelRunner(RunnerConfig(path, dtype=dtype, block_size=4, kv_cache_memory=8 << 20))
+    runner = ModelRunner(RunnerConfig(path, dtype="float32" if dtype == "quantized" else dtype,
+                                      block_size=4, kv_cache_memory=8 << 20))
+    if dtype == "quantized":
+        quantize_projections(runner.model, path)
     if runner.model.fused_decode is None:
         pytest.skip("no native kernels here")
     return runner
+
+
+def quantize_projections(model, checkpoint: str) -> None:
+    """Swap the projections for QuantLinear layers holding the checkpoint's weights as GGUF
+    blocks (gguf's own quantizer), as a GGUF-loaded model will have them."""
+    import gguf
+
+    from worker.fused_decode import FusedDecode
+    from worker.quant_linear import QuantLinear
+    from worker.weights import load_checkpoint_weights
+
+    weights = load_checkpoint_weights(checkpoint)
+    kinds = {"qkv_proj": gguf.GGMLQuantizationType.Q8_0, "o_proj": gguf.GGMLQuantizationType.Q4_1,
+             "gate_up_proj": gguf.GGMLQuantizationType.Q4_0,
+             "down_proj": gguf.GGMLQuantizationType.Q8_0}
+    for i, layer in enumerate(model.layers):
+        src = f"model.layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        dense = {
+            "qkv_proj": torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]),
+            "o_proj": weights[f"{attn}o_proj.weight"],
+            "gate_up_proj": torch.cat([weights[f"{mlp}gate_proj.weight"],
+                                       weights[f"{mlp}up_proj.weight"]]),
+            "down_proj": weights[f"{mlp}down_proj.weight"],
+        }
+        for name, weight in dense.items():
+            parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+            bias = getattr(parent, name).bias
+            if bias is not None:
+                bias = bias[:weight.shape[0]]  # (a packed bias is padded to whole panels)
+            raw = gguf.quants.quantize(weight.float().numpy(), kinds[name])
+            setattr(parent, name, QuantLinear(kinds[name], raw, tuple(weight.shape), bias))
+    model.fused_decode = FusedDecode.for_model(model)
 
 
 def test_decode_step_logits_equal_the_python_path(runner):

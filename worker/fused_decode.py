@@ -1,9 +1,10 @@
-"""FusedDecode: all decoder layers of a model computing in float32 (float32 weights, or packed
-bfloat16 weights with a bfloat16 KV cache), for a step of one-token sequences, in one native
-call (`worker/kernels/decoder.c` says why).
+"""FusedDecode: all decoder layers of a model computing in float32 (float32 weights, packed
+bfloat16 weights with a bfloat16 KV cache, or GGUF-quantized weights), for a step of one-token
+sequences, in one native call (`worker/kernels/decoder.c` says why).
 
-Used by LlamaForCausalLM when every linear layer is packed, the model has no q/k norms, and
-the step has no prefill chunk; everything else takes the Python path, which computes the same.
+Used by LlamaForCausalLM when every linear layer is packed or quantized (QuantLinear with its
+native kernel), the model has no q/k norms, and the step has no prefill chunk; everything else
+takes the Python path, which computes the same.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ import torch
 from worker.attention import AttentionMetadata
 from worker.kernels import load_kernel
 from worker.packed_linear import PackedLinear
+from worker.quant_linear import QuantLinear
 
 _P = ctypes.c_void_p
+_PROJ_KIND = {torch.float32: 0, torch.bfloat16: 1}  # else the GGML type number (decoder.c)
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("w", _P), ("row_bytes", ctypes.c_int64),
+                ("bias", _P), ("float_rows", ctypes.c_int)]
 
 
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
-                                         "gate_up", "down", "k_cache", "v_cache")]
+    _fields_ = [("input_norm", _P), ("post_norm", _P)] + [
+        (name, _Projection) for name in ("qkv", "o", "gate_up", "down")] + [
+        ("k_cache", _P), ("v_cache", _P)]
 
 
 class _ModelDims(ctypes.Structure):
@@ -39,9 +48,9 @@ if _lib is not None:
 
 
 class FusedDecode:
-    def __init__(self, model, weight_dtype: torch.dtype) -> None:
+    def __init__(self, model, cache_dtype: torch.dtype) -> None:
         self.model = model
-        self.weight_dtype = weight_dtype
+        self.cache_dtype = cache_dtype  # float32, or bfloat16 beside packed bfloat16 weights
         cfg = model.config
         attn = model.layers[0].self_attn
         self.dims = _ModelDims(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -54,18 +63,17 @@ class FusedDecode:
         """None where the native path does not apply (the Python path is used)."""
         if _lib is None or model.compute_dtype != torch.float32:
             return None
-        weight_dtypes = set()
+        packed_dtypes = set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or not all(isinstance(m, PackedLinear) for m in linears):
+            if attn.q_norm is not None or not all(_native(m) for m in linears):
                 return None
-            if any(m.bias is not None for m in linears[1:]):
-                return None
-            weight_dtypes.update(m.dtype for m in linears)
-        if len(weight_dtypes) != 1 or not weight_dtypes <= {torch.float32, torch.bfloat16}:
+            packed_dtypes.update(m.dtype for m in linears if isinstance(m, PackedLinear))
+        # The kernel takes one cache dtype: bfloat16 where bfloat16 weights are packed.
+        if len(packed_dtypes) > 1 or not packed_dtypes <= {torch.float32, torch.bfloat16}:
             return None
-        return cls(model, weight_dtypes.pop())
+        return cls(model, packed_dtypes.pop() if packed_dtypes else torch.float32)
 
     @staticmethod
     def applies(meta: AttentionMetadata) -> bool:
@@ -75,9 +83,9 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the step's embeddings [T, hidden] (overwritten). Returns (hidden, residual)."""
-        if kv_cache.dtype != self.weight_dtype:  # the kernel takes one dtype for both
-            raise TypeError(f"fused decode: {self.weight_dtype} weights with a "
-                            f"{kv_cache.dtype} KV cache")
+        if kv_cache.dtype != self.cache_dtype:
+            raise TypeError(f"fused decode: built for a {self.cache_dtype} KV cache, given a "
+                            f"{kv_cache.dtype} one")
         layers = self._layer_weights(kv_cache)
         self.dims.block_size = kv_cache.shape[3]
         group = meta.groups[0]
@@ -86,12 +94,13 @@ class FusedDecode:
         rotary = self.model.rotary
         rc = _lib.loom_decode_layers(
             layers, len(self.model.layers), ctypes.byref(self.dims),
-            self.weight_dtype == torch.bfloat16, x.data_ptr(),
+            self.cache_dtype == torch.bfloat16, x.data_ptr(),
             residual.data_ptr(), tokens, meta.positions.data_ptr(), rotary.cos.data_ptr(),
             rotary.sin.data_ptr(), meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
             group.seq_lens.data_ptr(), group.block_tables.shape[1])
         if rc != 0:
-            raise MemoryError("the fused decode step could not allocate its scratch memory")
+            raise MemoryError(f"the fused decode step failed ({rc}): scratch memory could not "
+                              f"be had")
         return x, residual
 
     def _layer_weights(self, kv_cache: torch.Tensor):
@@ -99,13 +108,26 @@ class FusedDecode:
             self._layers = (_LayerWeights * len(self.model.layers))()
             for i, layer in enumerate(self.model.layers):
                 attn, mlp = layer.self_attn, layer.mlp
-                bias = attn.qkv_proj.bias
                 self._layers[i] = _LayerWeights(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    attn.qkv_proj.packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-                    attn.o_proj.packed.data_ptr(), mlp.gate_up_proj.packed.data_ptr(),
-                    mlp.down_proj.packed.data_ptr(), kv_cache[i, 0].data_ptr(),
-                    kv_cache[i, 1].data_ptr())
+                    _projection(attn.qkv_proj), _projection(attn.o_proj),
+                    _projection(mlp.gate_up_proj), _projection(mlp.down_proj),
+                    kv_cache[i, 0].data_ptr(), kv_cache[i, 1].data_ptr())
             self._cache_ptr = kv_cache.data_ptr()
         return self._layers
+
+
+def _native(module) -> bool:
+    """A projection decoder.c can run: packed, or quantized with the native kernel built."""
+    if isinstance(module, QuantLinear):
+        return module.kernel is not None
+    return isinstance(module, PackedLinear)
+
+
+def _projection(module) -> _Projection:
+    bias = module.bias.data_ptr() if module.bias is not None else None
+    if isinstance(module, QuantLinear):
+        return _Projection(int(module.qtype), module.weight.data_ptr(), module.row_bytes, bias,
+                           module.float_rows or 0)
+    return _Projection(_PROJ_KIND[module.dtype], module.packed.data_ptr(), 0, bias, 0)

@@ -1,5 +1,5 @@
-/* Every decoder layer of a Llama-family model (float32, or bfloat16 weights computing in
- * float32) for one decode step, in one call.
+/* Every decoder layer of a Llama-family model (float32, bfloat16 or GGUF-quantized weights,
+ * computing in float32) for one decode step, in one call.
  *
  * A decode step of SmolLM2-135M is 30 layers x ~25 small operations; driven from Python each
  * costs a few microseconds of dispatch (ctypes argument conversion, tensor allocation, views),
@@ -14,18 +14,28 @@
  * The caller applies the final norm (residual += h; rmsnorm) to the rows it samples from.
  */
 #include "layer_ops.c"
-#include "packed_linear.c"
 #include "paged_decode_attention.c"
+#include "quant_linear.c" /* (includes packed_linear.c) */
 
 #include <stdlib.h>
 
-/* One layer's weights: packed projections (packed_linear.c layout), norms, its KV cache.
- * Projections and cache are float32 or, in a bfloat16 model, bfloat16; the rest is float32. */
+/* One projection's weight: packed float32 or bfloat16 panels (packed_linear.c's layout), or
+ * rows of GGUF blocks (quant_linear.c) of a GGML type. */
+enum { PROJ_F32 = 0, PROJ_BF16 = 1 }; /* otherwise: the GGML type number (>= 2) */
+
+typedef struct {
+    int kind;
+    const void *w;
+    int64_t row_bytes; /* quantized rows */
+    const float *bias; /* may be NULL */
+    int float_rows;    /* quantized: from this many rows on, the float32 path (0: never) */
+} Projection;
+
+/* One layer's weights: projections, norms (float32), its KV cache (float32 or, in a bfloat16
+ * model, bfloat16). */
 typedef struct {
     const float *input_norm, *post_norm;
-    const void *qkv;
-    const float *qkv_bias; /* may be NULL */
-    const void *o, *gate_up, *down;
+    Projection qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
 } LayerWeights;
 
@@ -34,18 +44,29 @@ typedef struct {
     float eps, scale;
 } ModelDims;
 
-static void linear(int bf16, const float *x, int64_t ldx, const void *w, const float *bias,
-                   float *y, int64_t ldy, int M, int N, int K) {
-    if (bf16)
-        loom_linear_bf16(x, ldx, w, bias, y, ldy, M, N, K);
-    else
-        loom_linear_f32(x, ldx, w, bias, y, ldy, M, N, K);
+/* y = x W^T (+ bias); 0, or the quantized kernel's error. Quantized projections take the
+ * integer or float32 path by row count exactly as QuantLinear.forward does, so a sequence's
+ * numbers do not depend on which path (this one or Python's) ran its step. */
+static int linear(const Projection *p, const float *x, int64_t ldx, float *y, int64_t ldy,
+                  int M, int N, int K) {
+    if (p->kind == PROJ_F32) {
+        loom_linear_f32(x, ldx, p->w, p->bias, y, ldy, M, N, K);
+        return 0;
+    }
+    if (p->kind == PROJ_BF16) {
+        loom_linear_bf16(x, ldx, p->w, p->bias, y, ldy, M, N, K);
+        return 0;
+    }
+    if (p->float_rows > 0 && M >= p->float_rows)
+        return loom_quant_linear_f32(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N,
+                                     K);
+    return loom_quant_linear(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N, K);
 }
 
 /* x [T, hidden] in: the embeddings; out: the last layer's MLP output. residual [T, hidden] out.
  * positions, slots [T]; block_tables [T, max_blocks]; seq_lens [T] (tokens to attend to,
- * this one included). bf16: projections and cache are bfloat16 (activations stay float32).
- * Returns 0, or -1 if scratch memory could not be had. */
+ * this one included). bf16: the cache is bfloat16 (activations stay float32).
+ * Returns 0, or non-zero if scratch memory could not be had (or a projection failed). */
 int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDims *d, int bf16,
                        float *x, float *residual, int T, const int64_t *positions,
                        const float *cos_table, const float *sin_table, const int64_t *slots,
@@ -71,8 +92,8 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
         } else {
             loom_add_rms_norm(residual, x, L->input_norm, h, T, d->hidden, d->eps);
         }
-        linear(bf16, h, d->hidden, L->qkv, L->qkv_bias, qkv, qkv_width, T, qkv_width,
-               d->hidden);
+        if ((rc = linear(&L->qkv, h, d->hidden, qkv, qkv_width, T, qkv_width, d->hidden)))
+            goto done;
         if (bf16)
             loom_rope_store_kv_bf16(qkv, T, d->heads, d->kv_heads, d->head_dim, positions,
                                     cos_table, sin_table, L->k_cache, L->v_cache, slots);
@@ -89,13 +110,16 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                                d->head_dim, d->block_size, max_blocks, d->scale);
         if (rc != 0)
             goto done;
-        linear(bf16, attn, q_size, L->o, NULL, x, d->hidden, T, d->hidden, q_size);
+        if ((rc = linear(&L->o, attn, q_size, x, d->hidden, T, d->hidden, q_size)))
+            goto done;
         loom_add_rms_norm(residual, x, L->post_norm, h, T, d->hidden, d->eps);
-        linear(bf16, h, d->hidden, L->gate_up, NULL, gate_up, 2 * d->intermediate, T,
-               2 * d->intermediate, d->hidden);
+        if ((rc = linear(&L->gate_up, h, d->hidden, gate_up, 2 * d->intermediate, T,
+                         2 * d->intermediate, d->hidden)))
+            goto done;
         loom_silu_mul(gate_up, act, T, d->intermediate);
-        linear(bf16, act, d->intermediate, L->down, NULL, x, d->hidden, T, d->hidden,
-               d->intermediate);
+        if ((rc = linear(&L->down, act, d->intermediate, x, d->hidden, T, d->hidden,
+                         d->intermediate)))
+            goto done;
     }
 done:
     free(h);
