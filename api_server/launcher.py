@@ -52,6 +52,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "float32"
+    quantization: str | None = None  # RunnerConfig's: "gguf", "int8" or None
+    tokenizer_dir: str | None = None  # default: model_dir (a GGUF file's: a cache directory)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -167,7 +169,8 @@ class Launcher:
         mp = multiprocessing.get_context("spawn")
         threads = cfg.num_threads or max(1, os.cpu_count() or 1)
         runner_cfg = RunnerConfig(
-            model_dir=cfg.model_dir, dtype=cfg.dtype, block_size=cfg.block_size,
+            model_dir=cfg.model_dir, dtype=cfg.dtype, quantization=cfg.quantization,
+            tokenizer_dir=cfg.tokenizer_dir, block_size=cfg.block_size,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             kv_cache_memory=cfg.kv_cache_memory, task=cfg.task, speech=cfg.speech,
             speech_noise=cfg.speech_noise,
@@ -252,7 +255,7 @@ class Launcher:
             model_config = load_model_config(cfg.model_dir)
             max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
             eos = model_config.eos_token_ids
-        tokenizer = TextTokenizer(cfg.model_dir, max_model_len, eos)
+        tokenizer = TextTokenizer(cfg.tokenizer_dir or cfg.model_dir, max_model_len, eos)
         tokenizer.warm_up()
         _import_streaming_backend()
         state = ServerState(engine, AdmissionLimits(

@@ -20,6 +20,11 @@ class TokenText:
         return text
 
 
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` names it."""
+    return f"token_id:{token_id}"
+
+
 def _top(lp: LogProbabilities, n: int) -> list[tuple[int, float]]:
     items = sorted(lp.top_log_probabilities[0].items(), key=lambda kv: -kv[1])
     return items[:n]

@@ -25,7 +25,12 @@ from api_server.generation import (
     once_started,
     stream_choice,
 )
-from api_server.logprobs_format import CompletionLogprobs, TokenText, chat_logprob_entries
+from api_server.logprobs_format import (
+    CompletionLogprobs,
+    TokenText,
+    chat_logprob_entries,
+    token_id_text,
+)
 from api_server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -308,7 +313,8 @@ class OpenAIRoutes:
     def _chat_logprobs(self, d: ChatDelta, req: ChatCompletionRequest) -> list[dict] | None:
         if not req.logprobs or d.logprobs is None:
             return None
-        return chat_logprob_entries(self.token_text, d.logprobs, req.top_logprobs or 0)
+        text_of = token_id_text if req.return_tokens_as_token_ids else self.token_text
+        return chat_logprob_entries(text_of, d.logprobs, req.top_logprobs or 0)
 
     async def _chat_chunks(self, response_id: str, deltas: AsyncIterator[ChatDelta],
                            req: ChatCompletionRequest):
@@ -501,7 +507,8 @@ class _CompletionChoice:
         self.all: dict | None = None
         self.prompt_done = 1  # prompt position 0 has no log probability
         if req.logprobs is not None:
-            self.logprobs = CompletionLogprobs(routes.token_text, req.logprobs)
+            text_of = token_id_text if req.return_tokens_as_token_ids else routes.token_text
+            self.logprobs = CompletionLogprobs(text_of, req.logprobs)
             self.all = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(self, d: ChoiceDelta) -> tuple[str, dict | None]:

@@ -83,6 +83,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None
+    # vLLM's extension: logprobs name tokens "token_id:N" (for clients that need the ids).
+    return_tokens_as_token_ids: bool | None = False
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -98,6 +100,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: NonNegativeInt | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    return_tokens_as_token_ids: bool | None = False
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None

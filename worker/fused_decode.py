@@ -16,15 +16,19 @@ import torch
 from worker.attention import AttentionMetadata
 from worker.kernels import load_kernel
 from worker.packed_linear import PackedLinear
-from worker.quant_linear import QuantLinear
+from worker.quant_linear import QuantLinear, StackedQuantLinear
 
 _P = ctypes.c_void_p
 _PROJ_KIND = {torch.float32: 0, torch.bfloat16: 1}  # else the GGML type number (decoder.c)
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int), ("w", _P), ("row_bytes", ctypes.c_int64),
-                ("bias", _P), ("float_rows", ctypes.c_int)]
+    pass
+
+
+_Projection._fields_ = [("kind", ctypes.c_int), ("w", _P), ("row_bytes", ctypes.c_int64),
+                        ("bias", _P), ("float_rows", ctypes.c_int), ("rows", ctypes.c_int),
+                        ("next", ctypes.POINTER(_Projection))]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -122,10 +126,19 @@ def _native(module) -> bool:
     """A projection decoder.c can run: packed, or quantized with the native kernel built."""
     if isinstance(module, QuantLinear):
         return module.kernel is not None
+    if isinstance(module, StackedQuantLinear):
+        return all(_native(part) for part in module.parts)
     return isinstance(module, PackedLinear)
 
 
 def _projection(module) -> _Projection:
+    if isinstance(module, StackedQuantLinear):
+        # Each part's struct lives in the one before it (ctypes keeps the pointee alive).
+        parts = [_projection(part) for part in module.parts]
+        for i in range(len(parts) - 2, -1, -1):
+            parts[i].rows = module.parts[i].out_features
+            parts[i].next = ctypes.pointer(parts[i + 1])
+        return parts[0]
     bias = module.bias.data_ptr() if module.bias is not None else None
     if isinstance(module, QuantLinear):
         return _Projection(int(module.qtype), module.weight.data_ptr(), module.row_bytes, bias,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worker.gguf_header import ArrayValue, GGUFHeader, HeaderError, TensorInfo, read_header
 from worker.model_config import ModelConfig
 
 # GGUF's architecture names, and the Hugging Face architecture Loom runs each as. (llama.cpp's
@@ -72,14 +73,14 @@ class GGUFModel:
 def open_gguf(path: str) -> GGUFModel:
     """The file's config and tensors; GGUFError for anything Loom cannot serve as it is."""
     name = os.path.basename(path)
-    reader = _read(path)
-    fields = _Fields(reader, name)
+    header = _read(path)
+    fields = _Fields(header, name)
     arch = fields.string("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{name}: unsupported architecture {arch!r}; loom serves GGUF files of "
                         f"{', '.join(ARCHITECTURES)}")
-    config = _config(fields, arch, reader)
-    tensors = _tensors(reader, name, config, arch)
+    config = _config(fields, arch, header)
+    tensors = _tensors(header, name, config, arch)
     template = fields.string("tokenizer.chat_template", required=False)
     return GGUFModel(path, arch, config, tensors, template)
 
@@ -99,40 +100,30 @@ def dequantize(tensor: GGUFTensor):
 # -- reading ------------------------------------------------------------------------------------
 
 
-def _read(path: str):
-    import gguf
-
+def _read(path: str) -> GGUFHeader:
     name = os.path.basename(path)
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: no such file")
     try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # a truncated or garbled file fails in many ways inside gguf
-        raise GGUFError(f"{name}: not a readable GGUF file ({_one_line(exc)})") from None
-
-
-def _one_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+        return read_header(path)
+    except HeaderError as exc:
+        raise GGUFError(f"{name}: {exc}") from None
+    except OSError as exc:
+        raise GGUFError(f"{name}: cannot be read ({exc.strerror or exc})") from None
 
 
 class _Fields:
     """Typed access to the key-value metadata, with errors that name the key."""
 
-    def __init__(self, reader, name: str) -> None:
-        self.reader = reader
+    def __init__(self, header: GGUFHeader, name: str) -> None:
+        self.fields = header.fields
         self.name = name
 
     def _value(self, key: str, required: bool):
-        field = self.reader.fields.get(key)
-        if field is None:
-            if required:
-                raise GGUFError(f"{self.name}: the header lacks {key}")
-            return None
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise GGUFError(f"{self.name}: cannot read {key} ({_one_line(exc)})") from None
+        value = self.fields.get(key)
+        if value is None and required:
+            raise GGUFError(f"{self.name}: the header lacks {key}")
+        return value
 
     def string(self, key: str, required: bool = True) -> str | None:
         value = self._value(key, required)
@@ -155,20 +146,20 @@ class _Fields:
         return None if value is None else int(value)
 
     def token_count(self) -> int:
-        field = self.reader.fields.get("tokenizer.ggml.tokens")
-        if field is None:
+        tokens = self.fields.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, ArrayValue):
             raise GGUFError(f"{self.name}: the header lacks tokenizer.ggml.tokens")
-        return len(field.data)
+        return tokens.length
 
 
-def _config(fields: _Fields, arch: str, reader) -> ModelConfig:
+def _config(fields: _Fields, arch: str, header: GGUFHeader) -> ModelConfig:
     hidden = fields.positive_int(f"{arch}.embedding_length")
     heads = fields.positive_int(f"{arch}.attention.head_count")
     head_dim = fields.positive_int(f"{arch}.attention.key_length", required=False,
                                    default=hidden // heads)
     eos = fields.number("tokenizer.ggml.eos_token_id", required=False)
     bos = fields.number("tokenizer.ggml.bos_token_id", required=False)
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in header.tensors}
     rope_scaling = None
     scaling_type = fields.string(f"{arch}.rope.scaling.type", required=False)
     if scaling_type not in (None, "none"):
@@ -200,22 +191,18 @@ def _config(fields: _Fields, arch: str, reader) -> ModelConfig:
     )
 
 
-def _tensors(reader, name: str, config: ModelConfig, arch: str) -> dict[str, GGUFTensor]:
+def _tensors(header: GGUFHeader, name: str, config: ModelConfig,
+             arch: str) -> dict[str, GGUFTensor]:
     out = {}
-    size = os.path.getsize(reader.data.filename) if hasattr(reader.data, "filename") else None
-    for t in reader.tensors:
+    for t in header.tensors:
         hf_name = _hf_name(t.name, config.num_hidden_layers)
         if hf_name is None:
             continue  # (e.g. rope_freqs: Loom computes its own tables)
-        qtype = t.tensor_type.name
-        if qtype not in SUPPORTED_TYPES:
-            raise GGUFError(f"{name}: tensor {t.name} is of type {qtype}, which loom cannot "
+        if t.qtype not in SUPPORTED_TYPES:
+            raise GGUFError(f"{name}: tensor {t.name} is of type {t.qtype}, which loom cannot "
                             f"run; supported: {', '.join(sorted(SUPPORTED_TYPES))}")
-        if size is not None and t.data_offset + t.n_bytes > size:
-            raise GGUFError(f"{name}: tensor {t.name} lies past the end of the file "
-                            f"(truncated?)")
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        out[hf_name] = GGUFTensor(qtype, shape, t.data)
+        shape = tuple(reversed(t.dims))
+        out[hf_name] = GGUFTensor(t.qtype, shape, _tensor_data(header, t, shape))
     _check_shapes(out, config, name)
     if arch == "llama":  # llama.cpp's converter interleaved the rotary halves of q and k rows
         for i in range(config.num_hidden_layers):
@@ -223,6 +210,20 @@ def _tensors(reader, name: str, config: ModelConfig, arch: str) -> dict[str, GGU
                 key = f"model.layers.{i}.self_attn.{proj}_proj.weight"
                 out[key] = _unpermute_rows(out[key], n)
     return out
+
+
+def _tensor_data(header: GGUFHeader, t: TensorInfo, shape: tuple[int, ...]) -> np.ndarray:
+    """[rows, row bytes] uint8 for a block format; the values, shaped, for a float type."""
+    raw = header.tensor_bytes(t)
+    if t.qtype in _FLOAT_VIEWS:
+        return raw.view(_FLOAT_VIEWS[t.qtype]).reshape(shape)
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return raw.reshape(rows, -1)
+
+
+_FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
 def _hf_name(gguf_name: str, num_layers: int) -> str | None:

@@ -6,12 +6,16 @@ import json
 import os
 from dataclasses import dataclass, field
 
-# Architectures that share our Llama-family implementation, with what sets them apart.
+# Architectures Loom runs, with what sets them apart (the defaults of their Hugging Face
+# configs); worker/models/registry.py picks the implementation: the Llama family's, or Gemma 3's.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Gemma3ForCausalLM": {"qk_norm": True, "tie_word_embeddings": True,
+                          "hidden_act": "gelu_pytorch_tanh", "head_dim": 256,
+                          "max_position_embeddings": 131072, "sliding_window": 4096},
 }
 
 
@@ -41,6 +45,16 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Gemma 3 (None elsewhere): each layer's kind, "sliding_attention" (attends to the last
+    # `sliding_window` positions, rotary base `rope_local_theta`) or "full_attention" (rotary
+    # base `rope_theta` with `rope_scaling`); the attention scale query_pre_attn_scalar**-0.5;
+    # tanh soft-capping of the final logits. (attn_logit_softcapping is read but, as in
+    # transformers' Gemma 3, not applied.)
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -50,8 +64,12 @@ class ModelConfig:
 
 @dataclass
 class RunnerConfig:
-    model_dir: str
-    dtype: str = "float32"
+    model_dir: str  # a checkpoint directory or a GGUF file
+    dtype: str = "float32"  # activations and KV cache; dense weights too
+    # None: dense weights in `dtype`; "gguf": a GGUF file's blocks as they are; "int8": a
+    # checkpoint's projections quantized to Q8_0 blocks at load time.
+    quantization: str | None = None
+    tokenizer_dir: str | None = None  # default: model_dir
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -63,7 +81,9 @@ class RunnerConfig:
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
     limit = config.max_position_embeddings
-    if config.sliding_window:  # we attend over the full context: stay inside the window
+    # The Llama family attends over the full context: stay inside the window. (Gemma 3's
+    # sliding layers, those `layer_types` names, honour it.)
+    if config.sliding_window and config.layer_types is None:
         limit = min(limit, config.sliding_window)
     if requested is None:
         return limit
@@ -93,6 +113,11 @@ def detect_task(model_dir: str) -> str:
 
 
 def load_model_config(model_dir: str) -> ModelConfig:
+    """The config of a checkpoint directory, or of a GGUF file (from its header)."""
+    if model_dir.lower().endswith(".gguf"):
+        from worker.gguf_file import open_gguf
+
+        return open_gguf(model_dir).config
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
@@ -109,6 +134,8 @@ def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None) -
         raise UnsupportedModelError(
             f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}"
         )
+    if arch == "Gemma3ForCausalLM":
+        return _gemma3_config(raw, generation_eos)
     traits = SUPPORTED_ARCHITECTURES[arch]
     heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
@@ -147,12 +174,79 @@ def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None) -
     )
 
 
+def _gemma3_config(raw: dict, generation_eos: list[int] | None) -> ModelConfig:
+    """Gemma3TextConfig's fields, with its defaults (transformers' configuration_gemma3.py)."""
+    traits = SUPPORTED_ARCHITECTURES["Gemma3ForCausalLM"]
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma 3 with bidirectional attention (an embedding model) "
+                                    "is not a causal LM")
+    layers = raw.get("num_hidden_layers", 26)
+    sliding = raw.get("sliding_window", traits["sliding_window"])
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # older configs: every `pattern`-th layer is global
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(layers)]
+    layer_types = list(layer_types)
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown or len(layer_types) != layers:
+        raise UnsupportedModelError(f"Gemma 3 layer_types {sorted(unknown) or layer_types} "
+                                    f"do not describe its {layers} layers")
+    if not sliding:
+        layer_types = ["full_attention"] * layers
+    # Rotary parameters: transformers >= 5 writes rope_parameters per layer kind; older
+    # configs rope_theta, rope_local_base_freq and rope_scaling (for the global layers).
+    rope = raw.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    if not full and raw.get("rope_scaling"):
+        full.update(raw["rope_scaling"])
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise UnsupportedModelError("Gemma 3: rope scaling on the sliding layers is not "
+                                    "supported")
+    rope_scaling = full if full.get("rope_type", full.get("type", "default")) != "default" \
+        else None
+    heads = raw.get("num_attention_heads", 8)
+    eos = generation_eos if generation_eos else _as_list(raw.get("eos_token_id", 1))
+    return ModelConfig(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=raw.get("vocab_size", 262_208),
+        hidden_size=raw.get("hidden_size", 2304),
+        intermediate_size=raw.get("intermediate_size", 9216),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or 4,
+        head_dim=raw.get("head_dim") or traits["head_dim"],
+        max_position_embeddings=raw.get("max_position_embeddings",
+                                        traits["max_position_embeddings"]),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(full["rope_theta"]),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=True,
+        hidden_act=raw.get("hidden_activation") or traits["hidden_act"],
+        sliding_window=sliding or None,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        eos_token_ids=eos,
+        bos_token_id=raw.get("bos_token_id", 2),
+        layer_types=layer_types,
+        rope_local_theta=float(local["rope_theta"]),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+    )
+
+
 def _architecture_from_model_type(model_type: str) -> str:
     return {
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
     }.get(model_type, "")
 
 

@@ -151,28 +151,28 @@ class QuantLinear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n_in, n_out = self.in_features, self.out_features
-        x2 = x if x.dim() == 2 else x.reshape(-1, n_in)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        rows = x2.shape[0]
-        if self._call is None:
-            y = self._forward_torch(x2)
-        else:
-            qtype, weight, row_bytes, bias = self._fixed
-            y = torch.empty(rows, n_out, dtype=torch.float32)
-            float_rows = self.float_rows
-            call = self._call_f32 if float_rows is not None and rows >= float_rows \
-                else self._call
-            status = call(qtype, x2.data_ptr(), x2.stride(0), weight, row_bytes, bias,
-                          y.data_ptr(), n_out, rows, n_out, n_in)
-            if status:
-                raise MemoryError(f"quant_linear failed ({status})")
+        x2 = as_float_rows(x, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        self.forward_into(x2, y)
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], n_out)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def forward_into(self, x2: torch.Tensor, y: torch.Tensor) -> None:
+        """y = x2 @ W^T (+ bias) for x2 from `as_float_rows`; y float32 [rows, out_features],
+        rows contiguous but possibly a column slice of a wider output (StackedQuantLinear)."""
+        n_in, n_out = self.in_features, self.out_features
+        rows = x2.shape[0]
+        if self._call is None:
+            y.copy_(self._forward_torch(x2))
+            return
+        qtype, weight, row_bytes, bias = self._fixed
+        float_rows = self.float_rows
+        call = self._call_f32 if float_rows is not None and rows >= float_rows else self._call
+        status = call(qtype, x2.data_ptr(), x2.stride(0), weight, row_bytes, bias,
+                      y.data_ptr(), y.stride(0), rows, n_out, n_in)
+        if status:
+            raise MemoryError(f"quant_linear failed ({status})")
 
     # Rows of weights the PyTorch path dequantizes at a time: 1024 x 1536 float32 is 6 MB.
     TILE_ROWS = 1024
@@ -212,6 +212,53 @@ class QuantLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype.name}, bias={self.bias is not None}, kernel={path}, "
                 f"float_rows={self.float_rows}")
+
+
+def as_float_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as the kernel reads it: float32 [rows, in_features] with unit column stride."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+class StackedQuantLinear(nn.Module):
+    """Several QuantLinear layers over the same input, their outputs side by side: a fused
+    projection (q/k/v, gate/up) whose parts a GGUF file stores in different block formats
+    (llama.cpp's *_K_M mixes give some layers' v or down rows more bits). Each part writes its
+    own columns of the one output, so nothing is concatenated per call."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("stacked projections must share their input width")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = as_float_rows(x, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        start = 0
+        for part in self.parts:
+            part.forward_into(x2, y[:, start:start + part.out_features])
+            start += part.out_features
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in its GGUF block format: a lookup dequantizes only the rows it
+    reads. `table` is a QuantLinear (a tied output layer can share its weight)."""
+
+    def __init__(self, table: QuantLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.dequantize_rows(ids).view(*ids.shape, self.embedding_dim)
 
 
 def quant_linear(qtype, raw, shape: tuple[int, int], bias: torch.Tensor | None = None,

@@ -23,12 +23,16 @@
  * rows of GGUF blocks (quant_linear.c) of a GGML type. */
 enum { PROJ_F32 = 0, PROJ_BF16 = 1 }; /* otherwise: the GGML type number (>= 2) */
 
-typedef struct {
+typedef struct Projection {
     int kind;
     const void *w;
     int64_t row_bytes; /* quantized rows */
     const float *bias; /* may be NULL */
     int float_rows;    /* quantized: from this many rows on, the float32 path (0: never) */
+    /* A stacked projection (parts in different block formats: StackedQuantLinear): this
+     * part's output columns, and the next part, which writes the columns after them. */
+    int rows;
+    const struct Projection *next;
 } Projection;
 
 /* One layer's weights: projections, norms (float32), its KV cache (float32 or, in a bfloat16
@@ -47,8 +51,8 @@ typedef struct {
 /* y = x W^T (+ bias); 0, or the quantized kernel's error. Quantized projections take the
  * integer or float32 path by row count exactly as QuantLinear.forward does, so a sequence's
  * numbers do not depend on which path (this one or Python's) ran its step. */
-static int linear(const Projection *p, const float *x, int64_t ldx, float *y, int64_t ldy,
-                  int M, int N, int K) {
+static int linear_part(const Projection *p, const float *x, int64_t ldx, float *y,
+                       int64_t ldy, int M, int N, int K) {
     if (p->kind == PROJ_F32) {
         loom_linear_f32(x, ldx, p->w, p->bias, y, ldy, M, N, K);
         return 0;
@@ -61,6 +65,18 @@ static int linear(const Projection *p, const float *x, int64_t ldx, float *y, in
         return loom_quant_linear_f32(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N,
                                      K);
     return loom_quant_linear(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N, K);
+}
+
+static int linear(const Projection *p, const float *x, int64_t ldx, float *y, int64_t ldy,
+                  int M, int N, int K) {
+    for (; p->next; p = p->next) {
+        int rc = linear_part(p, x, ldx, y, ldy, M, p->rows, K);
+        if (rc)
+            return rc;
+        y += p->rows;
+        N -= p->rows;
+    }
+    return linear_part(p, x, ldx, y, ldy, M, N, K);
 }
 
 /* x [T, hidden] in: the embeddings; out: the last layer's MLP output. residual [T, hidden] out.

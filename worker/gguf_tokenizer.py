@@ -1,0 +1,62 @@
+"""The tokenizer of a GGUF file, as a Hugging Face tokenizer directory the API process (and the
+worker's grammar compiler) load like any checkpoint's.
+
+The file's tokenizer.ggml.* metadata is turned into a fast tokenizer by transformers' own GGUF
+loader (`from_pretrained(dir, gguf_file=...)`), so the ids are the ones users of that loader
+get; its chat template comes along. Building it reads the whole vocabulary (seconds), so it is
+done once per file and kept in Loom's cache, keyed by the file's path, size and modification
+time: a replaced file gets a new directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+
+from worker.default_model import cache_dir
+from worker.gguf_file import GGUFError
+
+
+def is_gguf(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def gguf_tokenizer_dir(gguf_path: str) -> str:
+    """The cached tokenizer directory for `gguf_path`, made first if needed."""
+    target = _cached_dir(gguf_path)
+    if not os.path.isfile(os.path.join(target, "tokenizer_config.json")):
+        _build(gguf_path, target)
+    return target
+
+
+def _cached_dir(gguf_path: str) -> str:
+    real = os.path.realpath(gguf_path)
+    stat = os.stat(real)
+    key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    stem = os.path.splitext(os.path.basename(real))[0]
+    return os.path.join(os.path.dirname(cache_dir()), "gguf-tokenizers", f"{stem}-{key[:16]}")
+
+
+def _build(gguf_path: str, target: str) -> None:
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(os.path.realpath(gguf_path))
+    print(f"loom: reading the tokenizer of {name} (once)", file=sys.stderr, flush=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # transformers fails in many ways on a tokenizer it cannot read
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise GGUFError(f"{name}: its tokenizer cannot be read ({type(exc).__name__}: "
+                        f"{first})") from None
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(target))
+    try:
+        tokenizer.save_pretrained(staging)
+        if os.path.exists(target):
+            shutil.rmtree(target)
+        os.replace(staging, target)  # atomic: a half-written directory is never used
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
