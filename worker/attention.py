@@ -9,7 +9,7 @@ to the longest chunk). The metadata is built once per step and shared by all lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -33,6 +33,10 @@ class AttentionGroup:
     q_lens: torch.Tensor  # [B] int32, query rows of each sequence
     first_rows: torch.Tensor  # [B] int32, each sequence's first row of the step's tokens
     fresh: bool  # no sequence has earlier context in the cache: attend to this step's K/V
+    # A sliding window (`sliding_window_metadata`): each query sees only the last `window`
+    # positions (itself included), and each block table starts at its sequence's first block
+    # in reach of the step's first query. None: the whole context, tables from block 0.
+    window: int | None = None
 
 
 @dataclass
@@ -108,6 +112,47 @@ def _build_group(members, query_lens, seq_lens, first_row, tables, block_size) -
     )
 
 
+def sliding_window_metadata(meta: AttentionMetadata, window: int,
+                           block_size: int) -> AttentionMetadata:
+    """The step's metadata for layers that attend only to the last `window` positions (a
+    query at position p sees keys p - window < k <= p, as Hugging Face's sliding-window mask).
+    Built once per step from `meta` and shared by those layers; the block tables are cut to
+    the blocks in reach, so a layer reads O(window) keys per sequence, not the whole context.
+    Its groups take the PyTorch path (the native kernels attend over whole contexts)."""
+    return AttentionMetadata(
+        positions=meta.positions, slot_mapping=meta.slot_mapping,
+        groups=[_window_group(g, window, block_size) for g in meta.groups])
+
+
+def _window_group(group: AttentionGroup, window: int, block_size: int) -> AttentionGroup:
+    s_lens = group.seq_lens.numpy().astype(np.int64)
+    q_lens = group.q_lens.numpy().astype(np.int64)
+    valid = group.query_valid.numpy()
+    max_q = valid.shape[1]
+    q_start = s_lens - q_lens  # position of each sequence's first query this step
+    first_block = np.maximum(q_start - window + 1, 0) // block_size
+    end_block = (s_lens + block_size - 1) // block_size
+    num_blocks = int((end_block - first_block).max())
+    # Block j of row b is the sequence's block first_block[b] + j; past its table: masked.
+    table = group.block_tables.numpy()
+    cols = first_block[:, None] + np.arange(num_blocks)[None, :]
+    tables = np.take_along_axis(table, np.minimum(cols, table.shape[1] - 1), axis=1)
+    key_pos = first_block[:, None] * block_size + np.arange(num_blocks * block_size)[None, :]
+    q_pos = q_start[:, None] + np.arange(max_q)[None, :]
+    mask = (key_pos[:, None, :] <= q_pos[:, :, None]) \
+        & (key_pos[:, None, :] > q_pos[:, :, None] - window)
+    mask[~valid] = False
+    mask[..., 0] |= ~valid
+    if group.fresh:  # keys are this step's tokens (first_block is 0): positions 0..max_q-1
+        mask = mask[:, :, :max_q]
+    return replace(
+        group,
+        block_tables=torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
+        mask=torch.from_numpy(np.ascontiguousarray(mask[:, None, :, :])),
+        window=window,
+    )
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Writes the step's new K/V ([T, KVH, D]) into their cache slots."""
@@ -131,12 +176,13 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype)
     for group in meta.groups:
         batch = group.block_tables.shape[0]
-        if group.single_query and native_decode_available(k_cache.dtype):
+        native = group.window is None  # (the kernels attend over whole contexts)
+        if native and group.single_query and native_decode_available(k_cache.dtype):
             out[group.valid_rows] = paged_decode_attention(
                 q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale,
             ).to(q.dtype)
             continue
-        if not group.single_query and native_prefill_available(q, k_cache):
+        if native and not group.single_query and native_prefill_available(q, k_cache):
             paged_prefill_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens,
                                     group.q_lens, group.first_rows, out, scale)
             continue

@@ -11,12 +11,15 @@ import torch
 from pipelines.context import FUTURE_TOKEN
 from serialization.messages import StepBatch, StepResult
 from worker.attention import build_attention_metadata
+from worker.block_weights import load_block_weights, quantize_weights
 from worker.fused_decode import FusedDecode
+from worker.gguf_file import dequantize, open_gguf
+from worker.gguf_tokenizer import is_gguf
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
 from worker.logits_processors import process_logits
 from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
-from worker.models.llama import LlamaForCausalLM
+from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.sampler import RequestSamplingState, sample
 from worker.structured_output import GrammarCompiler
@@ -35,7 +38,8 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.block_size
         self.max_model_len = resolve_max_model_len(self.config, cfg.max_model_len)
-        self.model = _build_model(self.config, self.max_model_len, self.dtype, cfg.model_dir)
+        self.model = _build_model(self.config, self.max_model_len, self.dtype, cfg.model_dir,
+                                  cfg.quantization)
         self.num_blocks = estimate_kv_cache_size(
             self.config, self.dtype, cfg.block_size, self.max_model_len,
             cfg.max_num_seqs, cfg.kv_cache_memory,
@@ -48,13 +52,14 @@ class ModelRunner:
                 f"full-length sequence ({self.max_model_len}); give it at least {need} bytes "
                 f"(--kv-cache-memory) or lower --max-model-len"
             )
-        self.grammars = GrammarCompiler(cfg.model_dir)
+        self.grammars = GrammarCompiler(cfg.tokenizer_dir or cfg.model_dir)
         self.kv_cache = allocate_kv_cache(self.config, self.dtype, self.num_blocks, cfg.block_size)
         self.requests: dict[str, RequestSamplingState] = {}
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
             "model %s (%s, %s) loaded in %.1fs; KV cache %.2f GiB = %d blocks x %d = %d tokens",
-            cfg.model_dir, self.config.architecture, cfg.dtype, time.monotonic() - started,
+            cfg.model_dir, self.config.architecture, _weights_name(cfg),
+            time.monotonic() - started,
             kv_bytes / (1 << 30), self.num_blocks, cfg.block_size,
             self.num_blocks * cfg.block_size,
         )
@@ -194,15 +199,27 @@ def _realize_future_tokens(step: StepBatch, states: list[RequestSamplingState]) 
     return ids
 
 
-def _build_model(
-    config: ModelConfig, max_positions: int, dtype: torch.dtype, model_dir: str
-) -> LlamaForCausalLM:
+def _weights_name(cfg: RunnerConfig) -> str:
+    if cfg.quantization == "gguf":
+        return "GGUF blocks"
+    if cfg.quantization == "int8":
+        return "int8 (Q8_0 blocks)"
+    return cfg.dtype
+
+
+def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, model_path: str,
+                 quantization: str | None = None) -> torch.nn.Module:
     # Built on the meta device so no time is spent initialising weights we overwrite.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
-    materialize_on_cpu(model)  # (the rotary tables were computed on the CPU already)
-    model.load_hf_weights(load_checkpoint_weights(model_dir))
-    model.to(dtype)
+        model = model_class(config)(config, max_positions)
+    if quantization is not None:
+        if dtype != torch.float32:
+            raise ValueError("quantized weights compute in float32: use --dtype float32")
+        load_block_weights(model, _block_weights(model_path, quantization))
+    else:
+        materialize_on_cpu(model)  # (the rotary tables were computed on the CPU already)
+        model.load_hf_weights(_dense_weights(model_path))
+        model.to(dtype)
     if packing_pays_off(dtype):
         logger.info("linear layers: Loom's packed GEMM kernel (%d layers)",
                     pack_linear_layers(model))
@@ -214,3 +231,23 @@ def _build_model(
         model.use_fast_weight_layout()
     model.eval()
     return model
+
+
+def _block_weights(model_path: str, quantization: str) -> dict:
+    if quantization == "gguf":
+        if not is_gguf(model_path):
+            raise ValueError("--quantization gguf needs a .gguf file")
+        return open_gguf(model_path).tensors
+    if quantization == "int8":
+        if is_gguf(model_path):
+            raise ValueError("--quantization int8 quantizes a checkpoint directory; a GGUF "
+                             "file is served in its own formats")
+        return quantize_weights(load_checkpoint_weights(model_path), "Q8_0")
+    raise ValueError(f"unknown quantization {quantization!r}")
+
+
+def _dense_weights(model_path: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights, or a GGUF file's widened to float32 (--dtype on a GGUF)."""
+    if is_gguf(model_path):
+        return {name: dequantize(t) for name, t in open_gguf(model_path).tensors.items()}
+    return load_checkpoint_weights(model_path)

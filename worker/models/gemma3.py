@@ -1,0 +1,267 @@
+"""Gemma 3's text model (Hugging Face `Gemma3ForCausalLM`, model_type gemma3_text) over the
+paged KV cache: the same step as the Llama family (`worker/models/llama.py`), with what sets
+Gemma 3 apart, as transformers' `models/gemma3/modeling_gemma3.py` computes it:
+
+- token embeddings scaled by sqrt(hidden_size), that factor rounded to the table's dtype;
+- RMSNorm computing x * (1 + weight) in float32; q and k normed per head before the rotary;
+- four norms per layer: the attention and MLP outputs are normed (post_attention_layernorm,
+  post_feedforward_layernorm) before their residual adds, and the MLP input by its own
+  pre_feedforward_layernorm;
+- a gelu(tanh) gated MLP; attention scaled by query_pre_attn_scalar**-0.5;
+- sliding (local) layers attending to the last `sliding_window` positions, rotary base
+  rope_local_theta, and full (global) ones with rope_theta and the rope scaling;
+- tanh soft-capping of the final logits where the config sets final_logit_softcapping. (Its
+  attn_logit_softcapping is not applied: transformers' Gemma 3 keeps the field but never passes
+  it to the attention, qk-norm having replaced Gemma 2's capping; Gemma 3 sets neither.)
+
+Linear layers are plain nn.Linear (fused q/k/v and gate/up, under the Llama model's names), so
+the model runner's packing and `--quantization` loaders treat them alike. The one-call native
+decode step (`worker/fused_decode.py`) is the Llama family's and never runs here:
+`fused_decode` stays None and `forward` does not consult it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker import layer_ops
+from worker.attention import AttentionMetadata, paged_attention, sliding_window_metadata, store_kv
+from worker.model_config import ModelConfig
+from worker.models.llama import RotaryEmbedding, apply_rotary
+from worker.weights import empty_embedding
+
+SLIDING = "sliding_attention"
+
+
+class GemmaRMSNorm(nn.Module):
+    """rmsnorm(x) * (1 + weight), in float32, rounded to x's dtype. `weight` is the checkpoint's
+    (zero-centred); the (1 + weight) factor is formed in float32 at each call, as Hugging Face
+    does, so a bfloat16 weight loses nothing to the addition."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rmsnorm(x); with `residual`: (rmsnorm(residual + x), residual + x)."""
+        scale = 1.0 + self.weight.float()
+        if layer_ops.layer_ops_available(x.dtype) and x.dim() == 2:
+            if residual is None:
+                return layer_ops.rms_norm(x, scale, self.eps)
+            return layer_ops.add_rms_norm(residual, x, scale, self.eps), residual
+        if residual is None:
+            return self._norm(x, scale)
+        residual = residual + x
+        return self._norm(residual, scale), residual
+
+    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * scale).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, sliding: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = config.query_pre_attn_scalar ** -0.5
+        self.sliding = sliding
+
+    def forward(self, x, rotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(tokens * self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(tokens * self.num_kv_heads, self.head_dim))
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rotary(meta.positions, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.view(tokens, self.q_size))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, sliding: bool) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.self_attn = Gemma3Attention(config, sliding)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.mlp = Gemma3MLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, hidden, residual, rotary, k_cache, v_cache, meta):
+        """(hidden, residual) in and out, as the Llama layers: `hidden` is the last sub-layer's
+        normed output, not yet added; the norm after it does the residual add."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, k_cache, v_cache, meta)
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        if config.layer_types is None or config.query_pre_attn_scalar is None:
+            raise ValueError("a Gemma 3 model needs a Gemma 3 config (layer_types, "
+                             "query_pre_attn_scalar)")
+        self.config = config
+        self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, kind == SLIDING)
+                                    for kind in config.layer_types)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary_global = RotaryEmbedding(config, max_positions)
+        self.rotary_local = RotaryEmbedding(
+            dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None),
+            max_positions)
+        self.sliding_window = config.sliding_window
+        self.final_softcap = config.final_logit_softcapping
+        self.fused_decode = None  # the Llama family's native decode step does not apply
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
+        logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
+    ) -> torch.Tensor:
+        hidden, residual = self._embed(input_ids), None
+        local_meta = None
+        if self.sliding_window and any(layer.self_attn.sliding for layer in self.layers):
+            local_meta = sliding_window_metadata(meta, self.sliding_window, kv_cache.shape[3])
+        for i, layer in enumerate(self.layers):
+            if layer.self_attn.sliding and local_meta is not None:
+                rotary, layer_meta = self.rotary_local, local_meta
+            else:
+                rotary, layer_meta = self.rotary_global, meta
+            hidden, residual = layer(hidden, residual, rotary, kv_cache[i, 0], kv_cache[i, 1],
+                                     layer_meta)
+        x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
+        logits = self.lm_head(x).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the table times sqrt(hidden_size), that factor rounded to the table's dtype
+        (55.4256 becomes 55.5 in bfloat16, as in Hugging Face's and Google's code); the product
+        is taken in the table's dtype, then widened to the compute dtype."""
+        rows = self.embed_tokens(input_ids)
+        scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32)
+        return (rows * scale.to(rows.dtype)).to(self.compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: the weights' dtype, or float32 after `compute_in_float32`."""
+        return self.norm.weight.dtype
+
+    # ---- weights ---------------------------------------------------------------------------
+    def compute_in_float32(self) -> None:
+        """Run a bfloat16 model's activations in float32 once its linear layers are packed (as
+        LlamaForCausalLM.compute_in_float32): only the norms' weights are widened."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, GemmaRMSNorm):
+                    module.weight = nn.Parameter(module.weight.detach().float(),
+                                                 requires_grad=False)
+
+    def use_fast_weight_layout(self) -> None:
+        """Float32 projections stored column-major (LlamaForCausalLM.use_fast_weight_layout
+        says why); a tied lm_head gets its own copy."""
+        if self.embed_tokens.weight.dtype != torch.float32:
+            return
+        with torch.no_grad():
+            if self.lm_head.weight is self.embed_tokens.weight:
+                self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().clone())
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    column_major = module.weight.detach().t().contiguous().t()
+                    module.weight = nn.Parameter(column_major, requires_grad=False)
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face state dict in, fusing q/k/v and gate/up. The norms keep the
+        checkpoint's zero-centred weights (a GGUF file's, which llama.cpp stores as 1 + w,
+        must be given back as w)."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            param = own[name]
+            if param.shape != value.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != "
+                                 f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(value)
+            loaded.add(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing {name}")
+            return weights[name]
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if not self.config.tie_word_embeddings:
+            put("lm_head.weight", take("lm_head.weight"))
+        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+        for i in range(self.config.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for norm in norms:
+                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
+            attn = src + "self_attn."
+            put(f"{dst}self_attn.qkv_proj.weight",
+                torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"], dim=0))
+            if self.config.attention_bias:
+                put(f"{dst}self_attn.qkv_proj.bias",
+                    torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"], dim=0))
+                put(f"{dst}self_attn.o_proj.bias", take(f"{attn}o_proj.bias"))
+            put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
+            mlp = src + "mlp."
+            put(f"{dst}mlp.gate_up_proj.weight",
+                torch.cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")], 0))
+            put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        missing = set(own) - loaded - tied
+        if missing:
+            raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")

@@ -1,0 +1,23 @@
+"""Which model class runs a checkpoint: Gemma 3's own, or the Llama family's for the rest.
+
+Both take `(config, max_positions)` and offer the same interface to the model runner:
+`forward(input_ids, meta, kv_cache, logits_rows)`, `load_hf_weights(weights)`,
+`compute_dtype`, `compute_in_float32()`, `use_fast_weight_layout()` and a `fused_decode`
+attribute (None until the runner sets it; Gemma 3 never uses it).
+"""
+
+from __future__ import annotations
+
+from worker.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+
+
+def model_class(config: ModelConfig) -> type:
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported architecture {config.architecture!r}")
+    if config.architecture == "Gemma3ForCausalLM":
+        from worker.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    from worker.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
