@@ -48,94 +48,136 @@ typedef struct {
     float eps, scale;
 } ModelDims;
 
-/* y = x W^T (+ bias); 0, or the quantized kernel's error. Quantized projections take the
- * integer or float32 path by row count exactly as QuantLinear.forward does, so a sequence's
- * numbers do not depend on which path (this one or Python's) ran its step. */
-static int linear_part(const Projection *p, const float *x, int64_t ldx, float *y,
-                       int64_t ldy, int M, int N, int K) {
-    if (p->kind == PROJ_F32) {
-        loom_linear_f32(x, ldx, p->w, p->bias, y, ldy, M, N, K);
-        return 0;
-    }
-    if (p->kind == PROJ_BF16) {
-        loom_linear_bf16(x, ldx, p->w, p->bias, y, ldy, M, N, K);
-        return 0;
-    }
-    if (p->float_rows > 0 && M >= p->float_rows)
-        return loom_quant_linear_f32(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N,
-                                     K);
-    return loom_quant_linear(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N, K);
+/* y = x W^T (+ bias) by the team running the step (the kernels' _team forms: orphaned
+ * worksharing that ends with the team's barrier). Quantized projections take the integer or
+ * float32 path by row count exactly as QuantLinear.forward does, so a sequence's numbers do
+ * not depend on which path (this one or Python's) ran its step. `mem`: the integer path's
+ * scratch, shared by the team. */
+static void linear_part(const Projection *p, const float *x, int64_t ldx, float *y, int64_t ldy,
+                        int M, int N, int K, char *mem, int threads, int *failed) {
+    if (p->kind == PROJ_F32)
+        loom_linear_f32_team(x, ldx, p->w, p->bias, y, ldy, M, N, K, threads);
+    else if (p->kind == PROJ_BF16)
+        loom_linear_bf16_team(x, ldx, p->w, p->bias, y, ldy, M, N, K, threads);
+    else if (p->float_rows > 0 && M >= p->float_rows)
+        ql_linear_f32_team(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N, K,
+                           failed);
+    else
+        ql_linear_team(p->kind, x, ldx, p->w, p->row_bytes, p->bias, y, ldy, M, N, K, mem,
+                       threads);
 }
 
-static int linear(const Projection *p, const float *x, int64_t ldx, float *y, int64_t ldy,
-                  int M, int N, int K) {
-    for (; p->next; p = p->next) {
-        int rc = linear_part(p, x, ldx, y, ldy, M, p->rows, K);
-        if (rc)
-            return rc;
+static void linear(const Projection *p, const float *x, int64_t ldx, float *y, int64_t ldy,
+                   int M, int N, int K, char *mem, int threads, int *failed) {
+    for (; p->next; p = p->next) { /* a stack: each part writes its own columns */
+        linear_part(p, x, ldx, y, ldy, M, p->rows, K, mem, threads, failed);
         y += p->rows;
         N -= p->rows;
     }
-    return linear_part(p, x, ldx, y, ldy, M, N, K);
+    linear_part(p, x, ldx, y, ldy, M, N, K, mem, threads, failed);
+}
+
+/* Whether every quantized part of p has a kernel here for inputs of K. */
+static int projection_ok(const Projection *p, int K) {
+    for (; p; p = p->next)
+        if (p->kind > PROJ_BF16 &&
+            (ql_chunk_for(p->kind) == NULL || K % (32 * ql_subblocks(p->kind)) != 0))
+            return 0;
+    return 1;
 }
 
 /* x [T, hidden] in: the embeddings; out: the last layer's MLP output. residual [T, hidden] out.
  * positions, slots [T]; block_tables [T, max_blocks]; seq_lens [T] (tokens to attend to,
  * this one included). bf16: the cache is bfloat16 (activations stay float32).
- * Returns 0, or non-zero if scratch memory could not be had (or a projection failed). */
+ *
+ * One parallel region for the whole step: its ~150 operations are worksharing loops of one
+ * team, each ending at a barrier (a spinning wait of a microsecond or so), instead of ~150
+ * parallel regions, each a fork/join that woke the other threads. Element-wise operations
+ * are split by rows (at one row, one thread does them while the others wait at the barrier).
+ * Returns 0, -1 for a projection without a kernel, or -2 if scratch memory could not be had
+ * (or an attention or float32-path buffer could not). */
 int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDims *d, int bf16,
                        float *x, float *residual, int T, const int64_t *positions,
                        const float *cos_table, const float *sin_table, const int64_t *slots,
                        const int32_t *block_tables, const int32_t *seq_lens, int max_blocks) {
+    const int hidden = d->hidden, inter = d->intermediate;
     const int q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     const int qkv_width = q_size + 2 * kv_size;
-    float *h = malloc(sizeof(float) * (size_t)T * d->hidden);
+    for (int i = 0; i < num_layers; i++) {
+        const LayerWeights *L = &layers[i];
+        if (!projection_ok(&L->qkv, hidden) || !projection_ok(&L->o, q_size) ||
+            !projection_ok(&L->gate_up, hidden) || !projection_ok(&L->down, inter))
+            return -1;
+    }
+    int widest = hidden > q_size ? hidden : q_size;
+    widest = widest > inter ? widest : inter;
+    float *h = malloc(sizeof(float) * (size_t)T * hidden);
     float *qkv = malloc(sizeof(float) * (size_t)T * qkv_width);
     float *q = malloc(sizeof(float) * (size_t)T * q_size);
     float *attn = malloc(sizeof(float) * (size_t)T * q_size);
-    float *gate_up = malloc(sizeof(float) * (size_t)T * 2 * d->intermediate);
-    float *act = malloc(sizeof(float) * (size_t)T * d->intermediate);
-    int rc = 0;
-    if (!h || !qkv || !q || !attn || !gate_up || !act) {
-        rc = -1;
+    float *gate_up = malloc(sizeof(float) * (size_t)T * 2 * inter);
+    float *act = malloc(sizeof(float) * (size_t)T * inter);
+    char *mem = ql_scratch_for(ql_acts_bytes(T, widest));
+    int failed = 0;
+    if (!h || !qkv || !q || !attn || !gate_up || !act || !mem) {
+        failed = 1;
         goto done;
     }
-    for (int i = 0; i < num_layers; i++) {
-        const LayerWeights *L = &layers[i];
-        if (i == 0) {
-            memcpy(residual, x, sizeof(float) * (size_t)T * d->hidden);
-            loom_rms_norm(x, d->hidden, L->input_norm, h, T, d->hidden, d->eps);
-        } else {
-            loom_add_rms_norm(residual, x, L->input_norm, h, T, d->hidden, d->eps);
-        }
-        if ((rc = linear(&L->qkv, h, d->hidden, qkv, qkv_width, T, qkv_width, d->hidden)))
-            goto done;
-        if (bf16)
-            loom_rope_store_kv_bf16(qkv, T, d->heads, d->kv_heads, d->head_dim, positions,
-                                    cos_table, sin_table, L->k_cache, L->v_cache, slots);
-        else
-            loom_rope_store_kv(qkv, T, d->heads, d->kv_heads, d->head_dim, positions,
-                               cos_table, sin_table, L->k_cache, L->v_cache, slots);
-        for (int t = 0; t < T; t++)
-            memcpy(q + (int64_t)t * q_size, qkv + (int64_t)t * qkv_width, sizeof(float) * q_size);
-        rc = bf16 ? paged_decode_attention_bf16(q, L->k_cache, L->v_cache, block_tables,
+#pragma omp parallel
+    {
+        const int threads = omp_get_num_threads();
+        for (int i = 0; i < num_layers; i++) {
+            const LayerWeights *L = &layers[i];
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                float *xt = x + (int64_t)t * hidden, *rt = residual + (int64_t)t * hidden;
+                if (i == 0) {
+                    memcpy(rt, xt, sizeof(float) * (size_t)hidden);
+                    loom_rms_norm(xt, hidden, L->input_norm, h + (int64_t)t * hidden, 1, hidden,
+                                  d->eps);
+                } else {
+                    loom_add_rms_norm(rt, xt, L->input_norm, h + (int64_t)t * hidden, 1, hidden,
+                                      d->eps);
+                }
+            }
+            linear(&L->qkv, h, hidden, qkv, qkv_width, T, qkv_width, hidden, mem, threads,
+                   &failed);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                float *row = qkv + (int64_t)t * qkv_width;
+                if (bf16)
+                    loom_rope_store_kv_bf16(row, 1, d->heads, d->kv_heads, d->head_dim,
+                                            positions + t, cos_table, sin_table, L->k_cache,
+                                            L->v_cache, slots + t);
+                else
+                    loom_rope_store_kv(row, 1, d->heads, d->kv_heads, d->head_dim,
+                                       positions + t, cos_table, sin_table, L->k_cache,
+                                       L->v_cache, slots + t);
+                memcpy(q + (int64_t)t * q_size, row, sizeof(float) * q_size);
+            }
+            if (bf16)
+                paged_decode_attention_bf16_team(q, L->k_cache, L->v_cache, block_tables,
+                                                 seq_lens, attn, T, d->heads, d->kv_heads,
+                                                 d->head_dim, d->block_size, max_blocks,
+                                                 d->scale, threads, &failed);
+            else
+                paged_decode_attention_f32_team(q, L->k_cache, L->v_cache, block_tables,
                                                 seq_lens, attn, T, d->heads, d->kv_heads,
-                                                d->head_dim, d->block_size, max_blocks, d->scale)
-                  : paged_decode_attention_f32(q, L->k_cache, L->v_cache, block_tables,
-                                               seq_lens, attn, T, d->heads, d->kv_heads,
-                                               d->head_dim, d->block_size, max_blocks, d->scale);
-        if (rc != 0)
-            goto done;
-        if ((rc = linear(&L->o, attn, q_size, x, d->hidden, T, d->hidden, q_size)))
-            goto done;
-        loom_add_rms_norm(residual, x, L->post_norm, h, T, d->hidden, d->eps);
-        if ((rc = linear(&L->gate_up, h, d->hidden, gate_up, 2 * d->intermediate, T,
-                         2 * d->intermediate, d->hidden)))
-            goto done;
-        loom_silu_mul(gate_up, act, T, d->intermediate);
-        if ((rc = linear(&L->down, act, d->intermediate, x, d->hidden, T, d->hidden,
-                         d->intermediate)))
-            goto done;
+                                                d->head_dim, d->block_size, max_blocks,
+                                                d->scale, threads, &failed);
+            linear(&L->o, attn, q_size, x, hidden, T, hidden, q_size, mem, threads, &failed);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++)
+                loom_add_rms_norm(residual + (int64_t)t * hidden, x + (int64_t)t * hidden,
+                                  L->post_norm, h + (int64_t)t * hidden, 1, hidden, d->eps);
+            linear(&L->gate_up, h, hidden, gate_up, 2 * inter, T, 2 * inter, hidden, mem,
+                   threads, &failed);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++)
+                loom_silu_mul(gate_up + (int64_t)t * 2 * inter, act + (int64_t)t * inter, 1,
+                              inter);
+            linear(&L->down, act, inter, x, hidden, T, hidden, inter, mem, threads, &failed);
+        }
     }
 done:
     free(h);
@@ -144,5 +186,5 @@ done:
     free(attn);
     free(gate_up);
     free(act);
-    return rc;
+    return failed ? -2 : 0;
 }

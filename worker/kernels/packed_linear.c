@@ -171,15 +171,17 @@ DEFINE_ROWS(rows_bf16, tile_bf16, uint16_t)
  * Work is handed out in chunks (a block of rows x a run of panels), dynamically: the API and
  * scheduler processes share these cores, and a thread the OS preempts then holds up the step
  * by one chunk rather than by its whole static share. */
+/* NAME##_team: the same work for a team of threads already running (orphaned worksharing:
+ * decoder.c runs a decode step in one parallel region); `threads` is the team's size. Ends
+ * with the team's barrier. NAME runs it in a region of its own. */
 #define DEFINE_LINEAR(NAME, ROWS, WT)                                                         \
-void NAME(const float *x, int64_t ldx, const WT *w, const float *bias, float *y, int64_t ldy, \
-          int M, int N, int K) {                                                             \
+static void NAME##_team(const float *x, int64_t ldx, const WT *w, const float *bias, float *y, \
+                        int64_t ldy, int M, int N, int K, int threads) {                     \
     const int panels = (N + NR - 1) / NR;                                                    \
-    const int per_chunk = panels / (omp_get_max_threads() * 8) > 1                           \
-                          ? panels / (omp_get_max_threads() * 8) : 1;                        \
+    const int per_chunk = panels / (threads * 8) > 1 ? panels / (threads * 8) : 1;           \
     const int runs = (panels + per_chunk - 1) / per_chunk;                                   \
     const int row_blocks = (M + MC - 1) / MC;                                                \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                         \
+    _Pragma("omp for schedule(dynamic, 1)")                                                  \
     for (int chunk = 0; chunk < row_blocks * runs; chunk++) {                                \
         const int m0 = chunk / runs * MC, mc = M - m0 < MC ? M - m0 : MC;                    \
         const int pa = chunk % runs * per_chunk;                                             \
@@ -197,6 +199,11 @@ void NAME(const float *x, int64_t ldx, const WT *w, const float *bias, float *y,
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
+}                                                                                            \
+void NAME(const float *x, int64_t ldx, const WT *w, const float *bias, float *y, int64_t ldy, \
+          int M, int N, int K) {                                                             \
+    _Pragma("omp parallel")                                                                  \
+    NAME##_team(x, ldx, w, bias, y, ldy, M, N, K, omp_get_num_threads());                    \
 }
 DEFINE_LINEAR(loom_linear_f32, rows_f32, float)
 DEFINE_LINEAR(loom_linear_bf16, rows_bf16, uint16_t)

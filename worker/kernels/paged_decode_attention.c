@@ -32,18 +32,23 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+/* NAME##_team: the work for a team of threads already running (orphaned worksharing, for
+ * decoder.c's one parallel region per step); a failed allocation sets *failed. Ends with the
+ * team's barrier. NAME runs it in a region of its own. */
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                         \
-int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,       \
-         const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,  \
-         int head_dim, int block_size, int max_blocks, float scale) {                        \
+static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,                   \
+                        const int32_t *block_tables, const int32_t *seq_lens, float *out,    \
+                        int num_seqs, int num_heads, int num_kv_heads, int head_dim,         \
+                        int block_size, int max_blocks, float scale, int threads,            \
+                        int *failed_out) {                                                   \
     const int group = num_heads / num_kv_heads;                                              \
     const int64_t row = (int64_t)num_kv_heads * head_dim;                                    \
     /* Fewer sequences than threads (small batches): split each by kv head instead. */      \
-    const int splits = num_seqs < omp_get_max_threads() ? num_kv_heads : 1;                  \
+    const int splits = num_seqs < threads ? num_kv_heads : 1;                                \
     const int kv_per_task = num_kv_heads / splits;                                           \
     const int heads_per_task = kv_per_task * group;                                          \
     int failed = 0;                                                                          \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                         \
+    _Pragma("omp for schedule(dynamic, 1)")                                                  \
     for (int task = 0; task < num_seqs * splits; task++) {                                   \
         const int s = task / splits, h0 = (task % splits) * heads_per_task;                  \
         const int len = seq_lens[s];                                                         \
@@ -94,6 +99,19 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
         free(scores);                                                                        \
         free(qf);                                                                            \
     }                                                                                        \
+    if (failed) {                                                                            \
+        _Pragma("omp atomic write")                                                          \
+        *failed_out = 1;                                                                     \
+    }                                                                                        \
+}                                                                                            \
+int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,       \
+         const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,  \
+         int head_dim, int block_size, int max_blocks, float scale) {                        \
+    int failed = 0;                                                                          \
+    _Pragma("omp parallel")                                                                  \
+    NAME##_team(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads,       \
+                num_kv_heads, head_dim, block_size, max_blocks, scale, omp_get_num_threads(), \
+                &failed);                                                                    \
     return failed ? -1 : 0;                                                                  \
 }
 

@@ -1041,34 +1041,50 @@ int loom_quant_isa(void) {
 /* x [M, K] (row stride ldx) float32; w [N] rows of wrow bytes of `qtype` blocks covering K
  * (a multiple of the block's elements); bias [N] or NULL; y [M, N] (row stride ldy).
  * Returns 0, -1 for an unsupported qtype or K, -2 when scratch memory could not be had. */
-int loom_quant_linear(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t wrow,
-                      const float *bias, float *y, int64_t ldy, int M, int N, int K) {
+/* Scratch bytes the integer path needs for M rows of K activations. */
+static size_t ql_acts_bytes(const int M, const int K) {
+    const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
+    return qbytes + sizeof(float) * (size_t)M * 10 * (K / 32);
+}
+
+/* The integer path's work, shared by the team of threads running it: orphaned worksharing
+ * loops, so that decoder.c can run a whole decode step in one parallel region (a region per
+ * call cost ~150 fork/joins per step), while loom_quant_linear wraps it in a region of its
+ * own. `mem`: ql_acts_bytes(M, K) of scratch shared by the team; `threads`: the team's size.
+ * The caller has checked qtype and K. Ends with the team's barrier: y is complete. */
+static void ql_linear_team(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                           int64_t wrow, const float *bias, float *y, int64_t ldy, int M, int N,
+                           int K, char *mem, int threads) {
     const ql_chunk_fn run = ql_chunk_for(qtype);
-    if (run == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
-    if (M <= 0 || N <= 0) return 0;
     const int64_t nb = K / 32;
     const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
-    char *mem = ql_scratch_for(qbytes + sizeof(float) * (size_t)M * 10 * nb);
-    if (mem == NULL) return -2;
     float *f = (float *)(mem + qbytes);
     const ql_acts a = {.q = (int8_t *)mem, .d = f, .s32 = f + M * nb, .s16 = f + 2 * M * nb,
                        .K = K, .nb = nb, .pairs = ql_pairs(qtype), .qt = qtype,
                        .d8 = f + 4 * M * nb, .s4 = f + 8 * M * nb};
-
-    const int threads = omp_get_max_threads();
     const int tiles = (N + QL_C - 1) / QL_C;
     const int tiles_per_run = tiles / (threads * 8) > 1 ? tiles / (threads * 8) : 1;
     const int runs = (tiles + tiles_per_run - 1) / tiles_per_run;
     const int chunks = (M + LOOM_QUANT_MC - 1) / LOOM_QUANT_MC * runs;
-#pragma omp parallel
-    {
-        float woff[QL_C * 2 * nb];
+    float woff[QL_C * 2 * nb];
 #pragma omp for schedule(static)
-        for (int r = 0; r < M; r++) ql_quantize_row(x + (int64_t)r * ldx, &a, r);
+    for (int r = 0; r < M; r++) ql_quantize_row(x + (int64_t)r * ldx, &a, r);
 #pragma omp for schedule(dynamic, 1)
-        for (int chunk = 0; chunk < chunks; chunk++)
-            run(w, wrow, &a, bias, y, ldy, M, N, tiles_per_run, runs, chunk, woff);
-    }
+    for (int chunk = 0; chunk < chunks; chunk++)
+        run(w, wrow, &a, bias, y, ldy, M, N, tiles_per_run, runs, chunk, woff);
+}
+
+/* x [M, K] (row stride ldx) float32; w [N] rows of wrow bytes of `qtype` blocks covering K
+ * (a multiple of the block's elements); bias [N] or NULL; y [M, N] (row stride ldy).
+ * Returns 0, -1 for an unsupported qtype or K, -2 when scratch memory could not be had. */
+int loom_quant_linear(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t wrow,
+                      const float *bias, float *y, int64_t ldy, int M, int N, int K) {
+    if (ql_chunk_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    char *mem = ql_scratch_for(ql_acts_bytes(M, K));
+    if (mem == NULL) return -2;
+#pragma omp parallel
+    ql_linear_team(qtype, x, ldx, w, wrow, bias, y, ldy, M, N, K, mem, omp_get_num_threads());
     return 0;
 }
 
@@ -1097,23 +1113,32 @@ int loom_quant_dequantize_rows(int qtype, const uint8_t *w, int64_t wrow, const 
     return 0;
 }
 
+/* The float32 path's work for a team already running (as ql_linear_team); a thread whose
+ * panel buffer could not be had sets *failed. Ends with the team's barrier. */
+static void ql_linear_f32_team(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                               int64_t wrow, const float *bias, float *y, int64_t ldy, int M,
+                               int N, int K, int *failed) {
+    const ql_f32_panel_fn run = ql_f32_panel_for(qtype);
+    const int panels = (N + NR - 1) / NR;
+    float *panel = ql_panel_for((size_t)K * NR);
+    if (panel == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int p = 0; p < panels; p++)
+        if (panel) run(x, ldx, w, wrow, bias, y, ldy, M, N, K, p, panel);
+}
+
 /* As loom_quant_linear, with float32 activations: W dequantized panel by panel (see above).
  * Returns 0, -1 for an unsupported qtype or K, -2 when scratch memory could not be had. */
 int loom_quant_linear_f32(int qtype, const float *x, int64_t ldx, const uint8_t *w,
                           int64_t wrow, const float *bias, float *y, int64_t ldy, int M, int N,
                           int K) {
-    const ql_f32_panel_fn run = ql_f32_panel_for(qtype);
-    if (run == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    if (ql_f32_panel_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
     if (M <= 0 || N <= 0) return 0;
-    const int panels = (N + NR - 1) / NR;
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
-    {
-        float *panel = ql_panel_for((size_t)K * NR);
-        failed = panel == NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int p = 0; p < panels; p++)
-            if (panel) run(x, ldx, w, wrow, bias, y, ldy, M, N, K, p, panel);
-    }
+#pragma omp parallel
+    ql_linear_f32_team(qtype, x, ldx, w, wrow, bias, y, ldy, M, N, K, &failed);
     return failed ? -2 : 0;
 }
