@@ -21,6 +21,7 @@ from worker.logprobs import plan_echo, resolve_echo, token_logprobs
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
+from worker.quant_linear import QuantLinear
 from worker.sampler import RequestSamplingState, sample
 from worker.structured_output import GrammarCompiler
 from worker.weights import load_checkpoint_weights, materialize_on_cpu
@@ -220,9 +221,12 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, mo
         materialize_on_cpu(model)  # (the rotary tables were computed on the CPU already)
         model.load_hf_weights(_dense_weights(model_path))
         model.to(dtype)
+    if quantization is not None:
+        _log_quantized_layers(model)
     if packing_pays_off(dtype):
-        logger.info("linear layers: Loom's packed GEMM kernel (%d layers)",
-                    pack_linear_layers(model))
+        packed = pack_linear_layers(model)
+        if packed or quantization is None:
+            logger.info("linear layers: Loom's packed GEMM kernel (%d layers)", packed)
         if dtype == torch.bfloat16:
             model.compute_in_float32()
         model.fused_decode = FusedDecode.for_model(model)
@@ -231,6 +235,15 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, mo
         model.use_fast_weight_layout()
     model.eval()
     return model
+
+
+def _log_quantized_layers(model: torch.nn.Module) -> None:
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    formats = sorted({m.qtype.name for m in layers})
+    kernel = next((m.kernel.isa for m in layers if m.kernel is not None), None)
+    logger.info("linear layers: %d kept in block formats (%s), %s", len(layers),
+                ", ".join(formats), f"quantized kernel {kernel}" if kernel
+                else "PyTorch fallback (no C compiler: several times slower)")
 
 
 def _block_weights(model_path: str, quantization: str) -> dict:
