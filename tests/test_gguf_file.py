@@ -114,3 +114,132 @@ def test_not_a_file(tmp_path):
     assert_one_line_error(tmp_path / "missing.gguf", "no such file")
     (tmp_path / "text.gguf").write_text("hello, not a model")
     assert_one_line_error(tmp_path / "text.gguf")
+
+
+# -- Gemma 3 ------------------------------------------------------------------------------------
+
+GEMMA_LAYERS, GEMMA_HEAD_DIM, SPECIALS = 6, 16, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
+                                               "<start_of_turn>", "<end_of_turn>"]
+GEMMA_TOKENS = SPECIALS + ["\n", "▁", "a", "b", "▁a", "▁b", "user", "model"]
+
+
+def write_gemma3_gguf(path, sliding_window=8, skip=(), with_tokenizer=False) -> str:
+    """A six-layer Gemma 3 file as llama.cpp's converter writes one: norms stored as 1 + w,
+    no key for the layer pattern, the local rotary base nor the attention scale."""
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_context_length(128)
+    writer.add_embedding_length(H)
+    writer.add_block_count(GEMMA_LAYERS)
+    writer.add_feed_forward_length(FF)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(GEMMA_HEAD_DIM)
+    writer.add_value_length(GEMMA_HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
+    writer.add_token_list(GEMMA_TOKENS)
+    if with_tokenizer:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([0.0] * len(GEMMA_TOKENS))
+        writer.add_token_types([3] * len(SPECIALS) + [1] * (len(GEMMA_TOKENS) - len(SPECIALS)))
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    q, kv = HEADS * GEMMA_HEAD_DIM, KV_HEADS * GEMMA_HEAD_DIM
+    shapes = {"token_embd.weight": (len(GEMMA_TOKENS), H), "output_norm.weight": (H,)}
+    for i in range(GEMMA_LAYERS):
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in {
+            "attn_norm.weight": (H,), "attn_q.weight": (q, H), "attn_k.weight": (kv, H),
+            "attn_v.weight": (kv, H), "attn_q_norm.weight": (GEMMA_HEAD_DIM,),
+            "attn_k_norm.weight": (GEMMA_HEAD_DIM,), "attn_output.weight": (H, q),
+            "post_attention_norm.weight": (H,), "ffn_norm.weight": (H,),
+            "ffn_gate.weight": (FF, H), "ffn_up.weight": (FF, H), "ffn_down.weight": (H, FF),
+            "post_ffw_norm.weight": (H,)}.items()})
+    for name, shape in shapes.items():
+        if name not in skip:
+            writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gemma3_config_has_llama_cpps_fixed_values(tmp_path):
+    config = open_gguf(write_gemma3_gguf(tmp_path / "g.gguf")).config
+    assert config.architecture == "Gemma3ForCausalLM" and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config.sliding_window == 8 and config.head_dim == GEMMA_HEAD_DIM
+    assert (config.rope_theta, config.rope_local_theta) == (1e6, 10_000.0)
+    assert config.query_pre_attn_scalar == GEMMA_HEAD_DIM  # the key length, as llama.cpp
+    assert config.final_logit_softcapping is None and config.tie_word_embeddings
+    assert config.eos_token_ids == [1, 6]  # <eos> and <end_of_turn>
+    # No sliding window in the header: every layer global (llama.cpp's reading).
+    config = open_gguf(write_gemma3_gguf(tmp_path / "full.gguf", sliding_window=None)).config
+    assert config.layer_types == ["full_attention"] * GEMMA_LAYERS
+    assert config.sliding_window is None
+
+
+def test_gemma3_tensors_map_to_its_four_norms_minus_one(tmp_path):
+    path = write_gemma3_gguf(tmp_path / "g.gguf")
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors}
+    tensors = open_gguf(path).tensors
+    norms = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+             "attn_k_norm": "self_attn.k_norm"}
+    for i in (0, GEMMA_LAYERS - 1):
+        for src, dst in norms.items():
+            got = tensors[f"model.layers.{i}.{dst}.weight"]
+            assert got.qtype == "F32"
+            assert np.array_equal(got.data, stored[f"blk.{i}.{src}.weight"] - np.float32(1))
+        # q and k rows as stored: only llama.cpp's "llama" files have them permuted.
+        for src, dst in (("attn_q", "q_proj"), ("attn_k", "k_proj")):
+            got = tensors[f"model.layers.{i}.self_attn.{dst}.weight"]
+            assert np.array_equal(got.data, stored[f"blk.{i}.{src}.weight"])
+    assert np.array_equal(tensors["model.norm.weight"].data,
+                          stored["output_norm.weight"] - np.float32(1))
+    assert len(tensors) == 2 + GEMMA_LAYERS * 13
+
+
+def test_gemma3_files_lacking_a_norm(tmp_path):
+    path = write_gemma3_gguf(tmp_path / "nonorm.gguf", skip={"blk.3.post_ffw_norm.weight"})
+    assert_one_line_error(path, "model.layers.3.post_feedforward_layernorm.weight")
+    path = write_gemma3_gguf(tmp_path / "noqk.gguf", skip={"blk.0.attn_q_norm.weight"})
+    assert_one_line_error(path, "model.layers.0.self_attn.q_norm.weight")
+
+
+def test_chat_template_fallback(tmp_path, monkeypatch):
+    """A gemma3 file without a chat template gets Gemma 3's; a file of another architecture
+    without one is served without (completions only)."""
+    from transformers import AutoTokenizer
+
+    from worker.gguf_tokenizer import gguf_tokenizer_dir
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    gemma = AutoTokenizer.from_pretrained(gguf_tokenizer_dir(
+        write_gemma3_gguf(tmp_path / "g.gguf", with_tokenizer=True)))
+    messages = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+                {"role": "assistant", "content": "a b"}, {"role": "user", "content": "b"}]
+    assert gemma.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        "<bos><start_of_turn>user\na\n\nb<end_of_turn>\n<start_of_turn>model\na b<end_of_turn>\n"
+        "<start_of_turn>user\nb<end_of_turn>\n<start_of_turn>model\n")
+    writer = gguf.GGUFWriter(str(tmp_path / "l.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GEMMA_TOKENS)
+    writer.add_token_scores([0.0] * len(GEMMA_TOKENS))
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(GEMMA_TOKENS) - len(SPECIALS)))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_tensor("token_embd.weight", np.zeros((len(GEMMA_TOKENS), H), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    llama = AutoTokenizer.from_pretrained(gguf_tokenizer_dir(str(tmp_path / "l.gguf")))
+    assert llama.chat_template is None and llama("a b")["input_ids"][0] == 2

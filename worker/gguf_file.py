@@ -1,14 +1,16 @@
 """Reading a GGUF file as llama.cpp and Ollama users hold it: its hyper-parameters as a
 ModelConfig, and its tensors under Hugging Face names, still in their block formats.
 
-Nothing is dequantized or copied here: tensors are views of the memory-mapped file. Every
-problem a file can have (truncated, another architecture, a block type Loom has no kernel for,
-a header that contradicts itself) is one `GGUFError` with a one-line message naming the file,
-never an exception from the parser underneath.
+Nothing is dequantized or copied here: tensors are views of the memory-mapped file (but for
+Gemma 3's norm vectors, which llama.cpp stores as 1 + w and Loom takes as w, as Hugging Face
+checkpoints hold them). Every problem a file can have (truncated, another architecture, a
+block type Loom has no kernel for, a header that contradicts itself) is one `GGUFError` with a
+one-line message naming the file, never an exception from the parser underneath.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -18,9 +20,10 @@ from worker.gguf_header import ArrayValue, GGUFHeader, HeaderError, TensorInfo, 
 from worker.model_config import ModelConfig
 
 # GGUF's architecture names, and the Hugging Face architecture Loom runs each as. (llama.cpp's
-# converter writes Mistral and SmolLM checkpoints as "llama".)
+# converter writes Mistral and SmolLM checkpoints as "llama"; "gemma3" is Gemma 3's text model.)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 # Tensor types Loom can hold: plain floats, and the block formats worker/quant_linear.py runs.
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
                    "Q6_K"}
@@ -38,8 +41,23 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 norms the sub-layers' outputs too: its ffn_norm is the MLP's input norm, and the
+# attention's output norm is post_attention_norm (llama.cpp's tensor names for Gemma 2 and 3).
+_GEMMA3_LAYER_TENSORS = {**_LAYER_TENSORS,
+                         "post_attention_norm.weight": "post_attention_layernorm.weight",
+                         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                         "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_LAYER_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_LAYER_TENSORS}
 _MODEL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+# What llama.cpp hard-codes for Gemma 3 rather than writing it to the header
+# (src/llama-model.cpp, LLM_ARCH_GEMMA3), as transformers' GGUF loader also assumes it: every
+# 6th layer attends globally, the sliding ones with rotary base 10,000.
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+# Tokens that end a turn besides the file's EOS (Gemma's instruction-tuned models end their
+# replies with <end_of_turn>; Hugging Face's generation config lists both).
+_END_OF_TURN = {"gemma3": "<end_of_turn>"}
 
 
 class GGUFError(ValueError):
@@ -79,6 +97,9 @@ def open_gguf(path: str) -> GGUFModel:
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{name}: unsupported architecture {arch!r}; loom serves GGUF files of "
                         f"{', '.join(ARCHITECTURES)}")
+    if arch in _END_OF_TURN:  # again, with the vocabulary's strings (~0.1 s for 262k tokens)
+        header = _read(path, frozenset({"tokenizer.ggml.tokens"}))
+        fields = _Fields(header, name)
     config = _config(fields, arch, header)
     tensors = _tensors(header, name, config, arch)
     template = fields.string("tokenizer.chat_template", required=False)
@@ -100,12 +121,12 @@ def dequantize(tensor: GGUFTensor):
 # -- reading ------------------------------------------------------------------------------------
 
 
-def _read(path: str) -> GGUFHeader:
+def _read(path: str, read_arrays: frozenset[str] = frozenset()) -> GGUFHeader:
     name = os.path.basename(path)
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: no such file")
     try:
-        return read_header(path)
+        return read_header(path, read_arrays)
     except HeaderError as exc:
         raise GGUFError(f"{name}: {exc}") from None
     except OSError as exc:
@@ -165,7 +186,7 @@ def _config(fields: _Fields, arch: str, header: GGUFHeader) -> ModelConfig:
     if scaling_type not in (None, "none"):
         rope_scaling = {"rope_type": scaling_type,
                         "factor": fields.number(f"{arch}.rope.scaling.factor")}
-    return ModelConfig(
+    config = ModelConfig(
         architecture=ARCHITECTURES[arch],
         vocab_size=fields.token_count(),
         hidden_size=hidden,
@@ -189,13 +210,53 @@ def _config(fields: _Fields, arch: str, header: GGUFHeader) -> ModelConfig:
         eos_token_ids=[] if eos is None else [int(eos)],
         bos_token_id=None if bos is None else int(bos),
     )
+    end_of_turn = _token_id(header, _END_OF_TURN.get(arch))
+    if end_of_turn is not None and end_of_turn not in config.eos_token_ids:
+        config.eos_token_ids.append(end_of_turn)
+    if arch == "gemma3":
+        config = _gemma3_config(fields, config)
+    return config
+
+
+def _gemma3_config(fields: _Fields, config: ModelConfig) -> ModelConfig:
+    """The Gemma 3 fields (worker/model_config.py) of a gemma3 file, as llama.cpp reads them:
+    the header holds the sliding window (none: every layer global) and, optionally, the final
+    logits' soft-capping; the rest is llama.cpp's (and transformers' GGUF loader's) fixed
+    values."""
+    layers = config.num_hidden_layers
+    sliding = fields.positive_int("gemma3.attention.sliding_window", required=False)
+    layer_types = ["sliding_attention" if sliding and (i + 1) % _GEMMA3_GLOBAL_EVERY
+                   else "full_attention" for i in range(layers)]
+    # The attention scale: head_dim**-0.5, but (hidden/heads)**-0.5 for the 27B model, told
+    # apart by its 62 layers (llama.cpp's f_attention_scale; its Hugging Face config's
+    # query_pre_attn_scalar is 168, not its head_dim of 128). transformers' GGUF loader
+    # leaves Gemma3TextConfig's default of 256: the same number for the 270M, 1B, 4B and 12B.
+    scalar = config.hidden_size // config.num_attention_heads if layers == 62 else config.head_dim
+    softcap = fields.number("gemma3.final_logit_softcapping", required=False)
+    return dataclasses.replace(  # (q/k norms: Gemma 3 has them; a file lacking them is broken)
+        config, hidden_act="gelu_pytorch_tanh", qk_norm=True, sliding_window=sliding,
+        layer_types=layer_types,
+        rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA, query_pre_attn_scalar=float(scalar),
+        final_logit_softcapping=float(softcap) if softcap else None)
+
+
+def _token_id(header: GGUFHeader, text: str | None) -> int | None:
+    """The id of the token spelled `text`, where the vocabulary's strings were read."""
+    tokens = header.fields.get("tokenizer.ggml.tokens")
+    if text is None or not isinstance(tokens, ArrayValue) or tokens.values is None:
+        return None
+    try:
+        return tokens.values.index(text)
+    except ValueError:
+        return None
 
 
 def _tensors(header: GGUFHeader, name: str, config: ModelConfig,
              arch: str) -> dict[str, GGUFTensor]:
     out = {}
+    layer_tensors = _LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS)
     for t in header.tensors:
-        hf_name = _hf_name(t.name, config.num_hidden_layers)
+        hf_name = _hf_name(t.name, config.num_hidden_layers, layer_tensors)
         if hf_name is None:
             continue  # (e.g. rope_freqs: Loom computes its own tables)
         if t.qtype not in SUPPORTED_TYPES:
@@ -209,7 +270,22 @@ def _tensors(header: GGUFHeader, name: str, config: ModelConfig,
             for proj, n in (("q", config.num_attention_heads), ("k", config.num_key_value_heads)):
                 key = f"model.layers.{i}.self_attn.{proj}_proj.weight"
                 out[key] = _unpermute_rows(out[key], n)
+    if arch == "gemma3":  # llama.cpp's converter stored Gemma's norm weights w as 1 + w
+        for key, tensor in out.items():
+            if key.endswith("norm.weight"):
+                out[key] = _minus_one(tensor, name, key)
     return out
+
+
+def _minus_one(tensor: GGUFTensor, name: str, key: str) -> GGUFTensor:
+    """tensor - 1 in float32 (what transformers' GGUF loader does to every Gemma norm)."""
+    if tensor.is_quantized:
+        raise GGUFError(f"{name}: {key} is stored as {tensor.qtype}; loom reads norms of "
+                        f"F32, F16 or BF16")
+    values = tensor.data
+    if tensor.qtype == "BF16":
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    return GGUFTensor("F32", tensor.shape, values.astype(np.float32) - np.float32(1))
 
 
 def _tensor_data(header: GGUFHeader, t: TensorInfo, shape: tuple[int, ...]) -> np.ndarray:
@@ -226,13 +302,14 @@ def _tensor_data(header: GGUFHeader, t: TensorInfo, shape: tuple[int, ...]) -> n
 _FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
-def _hf_name(gguf_name: str, num_layers: int) -> str | None:
+def _hf_name(gguf_name: str, num_layers: int,
+             layer_tensors: dict[str, str] = _LAYER_TENSORS) -> str | None:
     if gguf_name in _MODEL_TENSORS:
         return _MODEL_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         layer = int(parts[1])
-        suffix = _LAYER_TENSORS.get(parts[2])
+        suffix = layer_tensors.get(parts[2])
         if suffix is not None and layer < num_layers:
             return f"model.layers.{layer}.{suffix}"
     return None
@@ -255,6 +332,9 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                       "self_attn.v_proj.bias": (kv,)})
     if config.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if config.layer_types is not None:  # Gemma 3
+        layer.update({"pre_feedforward_layernorm.weight": (h,),
+                      "post_feedforward_layernorm.weight": (h,)})
     for i in range(config.num_hidden_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
     return shapes

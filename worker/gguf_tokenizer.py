@@ -3,9 +3,11 @@ worker's grammar compiler) load like any checkpoint's.
 
 The file's tokenizer.ggml.* metadata is turned into a fast tokenizer by transformers' own GGUF
 loader (`from_pretrained(dir, gguf_file=...)`), so the ids are the ones users of that loader
-get; its chat template comes along. Building it reads the whole vocabulary (seconds), so it is
-done once per file and kept in Loom's cache, keyed by the file's path, size and modification
-time: a replaced file gets a new directory.
+get; its chat template comes along. A file without a template gets its model family's own
+where Loom knows it (`worker/chat_templates.py`: Gemma 3's), else none (completions only).
+Building it reads the whole vocabulary (seconds), so it is done once per file and kept in
+Loom's cache, keyed by the file's path, size and modification time (and the fallback
+templates): a replaced file gets a new directory.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import shutil
 import sys
 import tempfile
 
+from worker.chat_templates import FALLBACK_TEMPLATES, fallback_template
 from worker.default_model import cache_dir
 from worker.gguf_file import GGUFError
+from worker.gguf_header import HeaderError, read_header
 
 
 def is_gguf(path: str) -> bool:
@@ -35,7 +39,10 @@ def gguf_tokenizer_dir(gguf_path: str) -> str:
 def _cached_dir(gguf_path: str) -> str:
     real = os.path.realpath(gguf_path)
     stat = os.stat(real)
-    key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    for arch, template in sorted(FALLBACK_TEMPLATES.items()):  # a changed one: rebuilt
+        digest.update(f"\0{arch}\0{template}".encode())
+    key = digest.hexdigest()
     stem = os.path.splitext(os.path.basename(real))[0]
     return os.path.join(os.path.dirname(cache_dir()), "gguf-tokenizers", f"{stem}-{key[:16]}")
 
@@ -51,6 +58,10 @@ def _build(gguf_path: str, target: str) -> None:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise GGUFError(f"{name}: its tokenizer cannot be read ({type(exc).__name__}: "
                         f"{first})") from None
+    if not tokenizer.chat_template:
+        template = fallback_template(_architecture(gguf_path))
+        if template is not None:
+            tokenizer.chat_template = template
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(target))
     try:
@@ -60,3 +71,11 @@ def _build(gguf_path: str, target: str) -> None:
         os.replace(staging, target)  # atomic: a half-written directory is never used
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _architecture(gguf_path: str) -> str | None:
+    try:
+        arch = read_header(gguf_path).fields.get("general.architecture")
+    except (HeaderError, OSError):
+        return None
+    return arch if isinstance(arch, str) else None
