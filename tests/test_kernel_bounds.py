@@ -167,9 +167,11 @@ _CHILD = textwrap.dedent("""
         decode_attention.paged_decode_attention(q, cache, cache, table[:, :4].contiguous(),
                                                 torch.tensor([40], dtype=torch.int32), 1.0)
         address_space_left_after_this(256 << 20)
-        # 1024 heads x 2^18 keys of scores: a 1 GiB scratch buffer
+        # Two sequences (as many as threads: one task per sequence, all its heads), each
+        # 1024 heads x 2^18 keys of scores: 1 GiB scratch buffers
+        q2, tables = q.expand(2, -1, -1).contiguous(), table.expand(2, -1).contiguous()
         call = lambda: decode_attention.paged_decode_attention(
-            q, cache, cache, table, torch.tensor([1 << 18], dtype=torch.int32), 1.0)
+            q2, cache, cache, tables, torch.tensor([1 << 18] * 2, dtype=torch.int32), 1.0)
     else:
         q = torch.zeros(1, 8, 64)
         if not prefill_attention.native_prefill_available(q, k_cache):
