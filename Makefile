@@ -43,6 +43,7 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt Makefile
 
 model: setup
 	$(BIN)/python -m worker.default_model >/dev/null
+	$(BIN)/python -m worker.default_model --gguf >/dev/null
 
 bench: model
 	$(BIN)/python -m bench.run $(ARGS)
