@@ -32,7 +32,12 @@ def gguf_tokenizer_dir(gguf_path: str) -> str:
     """The cached tokenizer directory for `gguf_path`, made first if needed."""
     target = _cached_dir(gguf_path)
     if not os.path.isfile(os.path.join(target, "tokenizer_config.json")):
-        _build(gguf_path, target)
+        try:
+            _build(gguf_path, target)
+        except OSError:  # a read-only cache (a container's): a private directory
+            private = os.path.join(tempfile.mkdtemp(prefix="loom-gguf-tokenizer-"), "tok")
+            _build(gguf_path, private)
+            return private
     return target
 
 
