@@ -89,10 +89,6 @@ class EngineClient:
         self.busy_since = time.monotonic()
 
     @property
-    def is_healthy(self) -> bool:
-        return self.ready is not None and self.dead_reason is None
-
-    @property
     def num_in_flight(self) -> int:
         return len(self.streams)
 

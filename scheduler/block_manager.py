@@ -48,10 +48,6 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        have = len(self.tables.get(request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
-
     # ---- prefix cache -----------------------------------------------------------------------
     def find_cached_prefix(self, tokens: np.ndarray) -> list[int]:
         """Blocks that already hold a prefix of `tokens`.

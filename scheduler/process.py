@@ -342,7 +342,6 @@ class SchedulerLoop:
             self._send_step(step)
 
     def _send_step(self, step: ScheduledStep) -> None:
-        step.batch.sent_at = time.monotonic()
         self.steps.send(self.encode(step.batch), copy=False)
         self.inflight.append(step)
 

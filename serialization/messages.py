@@ -145,7 +145,6 @@ class StepBatch(msgspec.Struct, tag=True):
     sample: np.ndarray  # bool [num_seqs]
     new_requests: list[NewRequest] = []
     finished_request_ids: list[str] = []
-    sent_at: float = 0.0
 
 
 class EmbedStep(msgspec.Struct, tag=True):

@@ -29,10 +29,6 @@ class Endpoints:
     def ipc(cls, directory: str) -> "Endpoints":
         return cls(**{name: f"ipc://{os.path.join(directory, name)}" for name in _CHANNELS})
 
-    @classmethod
-    def tcp(cls, host: str, base_port: int) -> "Endpoints":
-        return cls(**{name: f"tcp://{host}:{base_port + i}" for i, name in enumerate(_CHANNELS)})
-
 
 _CHANNELS = ("requests", "cancel", "responses", "steps", "results")
 

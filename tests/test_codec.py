@@ -57,7 +57,7 @@ def step_batch():
         query_lens=np.array([3, 1], np.int32), seq_lens=np.array([3, 9], np.int32),
         block_tables=np.array([[0, -1], [1, 2]], np.int32), sample=np.array([True, False]),
         new_requests=[NewRequest("a", SamplingParams(top_k=5, temperature=0.7, seed=3))],
-        finished_request_ids=["z"], sent_at=12.5,
+        finished_request_ids=["z"],
     )
 
 
