@@ -28,9 +28,8 @@ from api_server.anthropic_protocol import (
     thinking_budget,
 )
 from api_server.chat_pipeline import ChatDelta, ChatJob, ChatRun, prepare_chat, start_chat
-from api_server.engine_client import EngineDeadError, RequestTimeoutError
+from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
-from api_server.generation import GenerationError
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
 from api_server.protocol import RequestError, SamplingFields, decode_body
@@ -93,7 +92,7 @@ class AnthropicRoute:
             async for d in deltas:
                 for e in message.add(d):
                     yield message.block_event(e)
-        except (GenerationError, EngineDeadError, RequestTimeoutError) as exc:
+        except (GenerationFailed, EngineDeadError, RequestTimeoutError) as exc:
             kind = ANTHROPIC_ERROR_TYPES[408 if isinstance(exc, RequestTimeoutError) else 500]
             yield named_event("error", {"type": "error", "error": {"type": kind,
                                                                  "message": str(exc)}})

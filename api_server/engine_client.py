@@ -38,7 +38,7 @@ class EngineDeadError(RuntimeError):
 
 
 class GenerationFailed(RuntimeError):
-    """The worker could not run a step for this request."""
+    """The engine ended a request with an error (a failed step, a dead process)."""
 
 
 # Put into a request's output queue when its --request-timeout passes.

@@ -11,14 +11,10 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from api_server.engine_client import EngineClient
+from api_server.engine_client import EngineClient, GenerationFailed
 from pipelines.context import TextContext
 from pipelines.response import LogProbabilities
 from pipelines.status import GenerationStatus
-
-
-class GenerationError(RuntimeError):
-    """The engine ended a request with an error (a failed step, a dead process)."""
 
 
 @dataclass
@@ -50,7 +46,7 @@ async def stream_choice(
     try:
         async for output in outputs:
             if output.final_status is GenerationStatus.ERROR:
-                raise GenerationError(output.error or "generation failed")
+                raise GenerationFailed(output.error or "generation failed")
             tokens = output.tokens
             completion_tokens += len(tokens)
             finish = _finish_reason(output.final_status)
@@ -80,7 +76,7 @@ async def stream_choice(
         # Closed here, not whenever the generator is collected: a request ended by a stop
         # string is cancelled in the scheduler, and forgotten in the engine client, at once.
         await outputs.aclose()
-    raise GenerationError("the engine stream ended without a final status")
+    raise GenerationFailed("the engine stream ended without a final status")
 
 
 def _finish_reason(status: GenerationStatus) -> str | None:

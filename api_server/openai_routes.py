@@ -15,11 +15,15 @@ from starlette.responses import Response
 
 from api_server.chat_pipeline import ChatDelta, ChatJob, start_chat
 from api_server.chat_template import template_options
-from api_server.engine_client import EngineClient, EngineDeadError, RequestTimeoutError
+from api_server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    GenerationFailed,
+    RequestTimeoutError,
+)
 from api_server.engine_stream_response import EngineStreamResponse
 from api_server.generation import (
     ChoiceDelta,
-    GenerationError,
     after_first_output,
     merge_choices,
     once_started,
@@ -398,7 +402,7 @@ class OpenAIRoutes:
             try:
                 async for chunk in chunks:
                     yield b"data: " + _json.encode(chunk) + b"\n\n"
-            except (GenerationError, EngineDeadError) as exc:
+            except (GenerationFailed, EngineDeadError) as exc:
                 yield b"data: " + _json.encode(_server_error(str(exc))) + b"\n\n"
             except RequestTimeoutError as exc:
                 yield b"data: " + _json.encode(_timeout_error(str(exc))) + b"\n\n"
@@ -439,7 +443,7 @@ class OpenAIRoutes:
             return json_response(work.result())
         except EngineDeadError as exc:
             return json_response(_server_error(str(exc)), status=503)
-        except GenerationError as exc:
+        except GenerationFailed as exc:
             return json_response(_server_error(str(exc)), status=500)
         except RequestTimeoutError as exc:
             return json_response(_timeout_error(str(exc)), status=408)

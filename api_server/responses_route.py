@@ -16,9 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api_server.chat_pipeline import ChatJob, ChatRun, start_chat
-from api_server.engine_client import EngineDeadError, RequestTimeoutError
+from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
-from api_server.generation import GenerationError
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
 from api_server.protocol import RequestError, decode_body
@@ -131,7 +130,7 @@ class ResponsesRoute:
                 for e in builder.add(d):
                     for name, data in builder.item_events(e):
                         yield event(name, **data)
-        except (GenerationError, EngineDeadError, RequestTimeoutError) as exc:
+        except (GenerationFailed, EngineDeadError, RequestTimeoutError) as exc:
             code = "request_timeout" if isinstance(exc, RequestTimeoutError) else "server_error"
             yield event("error", code=code, message=str(exc), param=None)
             failed = builder.response("failed")

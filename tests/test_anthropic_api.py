@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from api_server.anthropic_route import AnthropicRoute, _MessageBuilder
-from api_server.generation import GenerationError
+from api_server.engine_client import GenerationFailed
 from api_server.responses_protocol import ResponsesRequest
 from api_server.responses_route import ResponsesRoute, _ResponseBuilder
 from tests.helpers import start_server
@@ -238,7 +238,7 @@ class FailingRun:
 
         async def gen():
             yield ChatDelta(0, content="Hi", prompt_tokens=3, completion_tokens=1)
-            raise GenerationError("the engine stopped: worker died")
+            raise GenerationFailed("the engine stopped: worker died")
 
         return gen()
 
