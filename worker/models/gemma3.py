@@ -32,7 +32,12 @@ from torch import nn
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, sliding_window_metadata, store_kv
 from worker.model_config import ModelConfig
-from worker.models.llama import RotaryEmbedding, apply_rotary
+from worker.models.llama import (
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    apply_rotary,
+    load_fused_hf_weights,
+)
 from worker.weights import empty_embedding
 
 SLIDING = "sliding_attention"
@@ -205,63 +210,14 @@ class Gemma3ForCausalLM(nn.Module):
                     module.weight = nn.Parameter(module.weight.detach().float(),
                                                  requires_grad=False)
 
-    def use_fast_weight_layout(self) -> None:
-        """Float32 projections stored column-major (LlamaForCausalLM.use_fast_weight_layout
-        says why); a tied lm_head gets its own copy."""
-        if self.embed_tokens.weight.dtype != torch.float32:
-            return
-        with torch.no_grad():
-            if self.lm_head.weight is self.embed_tokens.weight:
-                self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().clone())
-            for module in self.modules():
-                if isinstance(module, nn.Linear):
-                    column_major = module.weight.detach().t().contiguous().t()
-                    module.weight = nn.Parameter(column_major, requires_grad=False)
+    # Float32 projections stored column-major, a tied lm_head given its own copy: the same
+    # layout step as Llama's (its docstring says why).
+    use_fast_weight_layout = LlamaForCausalLM.use_fast_weight_layout
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face state dict in, fusing q/k/v and gate/up. The norms keep the
         checkpoint's zero-centred weights (a GGUF file's, which llama.cpp stores as 1 + w,
         must be given back as w)."""
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def put(name: str, value: torch.Tensor) -> None:
-            param = own[name]
-            if param.shape != value.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != "
-                                 f"{tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(value)
-            loaded.add(name)
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing {name}")
-            return weights[name]
-
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
-        put("norm.weight", take("model.norm.weight"))
-        if not self.config.tie_word_embeddings:
-            put("lm_head.weight", take("lm_head.weight"))
-        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm")
-        for i in range(self.config.num_hidden_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for norm in norms:
-                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
-            attn = src + "self_attn."
-            put(f"{dst}self_attn.qkv_proj.weight",
-                torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"], dim=0))
-            if self.config.attention_bias:
-                put(f"{dst}self_attn.qkv_proj.bias",
-                    torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"], dim=0))
-                put(f"{dst}self_attn.o_proj.bias", take(f"{attn}o_proj.bias"))
-            put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
-            mlp = src + "mlp."
-            put(f"{dst}mlp.gate_up_proj.weight",
-                torch.cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")], 0))
-            put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
-        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        missing = set(own) - loaded - tied
-        if missing:
-            raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")
+        load_fused_hf_weights(self, weights, (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+            "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"))

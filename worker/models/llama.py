@@ -253,44 +253,56 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face state dict in, fusing q/k/v and gate/up."""
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if self.config.qk_norm:
+            norms += ("self_attn.q_norm", "self_attn.k_norm")
+        load_fused_hf_weights(self, weights, norms)
 
-        def put(name: str, value: torch.Tensor) -> None:
-            param = own[name]
-            if param.shape != value.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(value)
-            loaded.add(name)
 
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing {name}")
-            return weights[name]
+def load_fused_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor],
+                          layer_norms: tuple[str, ...]) -> None:
+    """Copy a Hugging Face state dict into a model laid out as LlamaForCausalLM is (q/k/v and
+    gate/up fused into one projection each; Gemma 3 too), `layer_norms` naming each layer's
+    norms. Every parameter must be loaded (the tied lm_head aside)."""
+    config = model.config
+    own = dict(model.named_parameters())
+    loaded: set[str] = set()
 
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
-        put("norm.weight", take("model.norm.weight"))
-        if not self.config.tie_word_embeddings:
-            put("lm_head.weight", take("lm_head.weight"))
-        for i in range(self.config.num_hidden_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
-            attn = src + "self_attn."
-            qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
-            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
-            if self.config.attention_bias:
-                bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
-                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias, dim=0))
-            put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
-            if self.config.qk_norm:
-                put(f"{dst}self_attn.q_norm.weight", take(f"{attn}q_norm.weight"))
-                put(f"{dst}self_attn.k_norm.weight", take(f"{attn}k_norm.weight"))
-            mlp = src + "mlp."
-            gate_up = torch.cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")], 0)
-            put(f"{dst}mlp.gate_up_proj.weight", gate_up)
-            put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
-        missing = set(own) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
-        if missing:
-            raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")
+    def put(name: str, value: torch.Tensor) -> None:
+        param = own[name]
+        if param.shape != value.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != "
+                             f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(value)
+        loaded.add(name)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"checkpoint is missing {name}")
+        return weights[name]
+
+    put("embed_tokens.weight", take("model.embed_tokens.weight"))
+    put("norm.weight", take("model.norm.weight"))
+    if not config.tie_word_embeddings:
+        put("lm_head.weight", take("lm_head.weight"))
+    for i in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        for norm in layer_norms:
+            put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
+        attn = src + "self_attn."
+        qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
+        put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+        if config.attention_bias:
+            bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
+            put(f"{dst}self_attn.qkv_proj.bias", torch.cat(bias, dim=0))
+        put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
+        if f"{dst}self_attn.o_proj.bias" in own:  # (Gemma's, with attention_bias)
+            put(f"{dst}self_attn.o_proj.bias", take(f"{attn}o_proj.bias"))
+        mlp = src + "mlp."
+        gate_up = torch.cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")], 0)
+        put(f"{dst}mlp.gate_up_proj.weight", gate_up)
+        put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
+    missing = set(own) - loaded - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")
