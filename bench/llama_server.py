@@ -39,6 +39,7 @@ import time
 from functools import lru_cache
 
 from bench.endpoint import wait_healthy
+from bench.server import stop_session
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_DIR, "bench", "results")
@@ -205,21 +206,7 @@ class LlamaServer:
         self.startup_s = healthy_at - started
 
     def stop(self) -> int | None:
-        proc = self.process
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # our own session: stragglers only
-        except (ProcessLookupError, PermissionError):
-            pass
-        return proc.returncode
+        return stop_session(self.process, self.stop_timeout)
 
 
 def start_llama_server(binary: str, gguf: str | None = None, **kwargs) -> LlamaServer:

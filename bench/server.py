@@ -95,18 +95,23 @@ class LoomServer:
         return time.monotonic() - started
 
     def stop(self) -> int | None:
-        proc = self.process
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        return stop_session(self.process, self.stop_timeout)
+
+
+def stop_session(proc: subprocess.Popen | None, timeout: float) -> int | None:
+    """SIGTERM, SIGKILL after `timeout`, then SIGKILL to the session the process leads (it was
+    started with start_new_session): stragglers only. Returns its exit code."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # our own session: stragglers only
-        except (ProcessLookupError, PermissionError):
-            pass
-        return proc.returncode
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.returncode

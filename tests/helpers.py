@@ -48,6 +48,11 @@ def make_tiny_checkpoint(target: str, tokenizer_dir: str, architecture: str = "l
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.5)
+    return save_with_tokenizer(model, target, tokenizer_dir)
+
+
+def save_with_tokenizer(model, target: str, tokenizer_dir: str) -> str:
+    """`model` saved as a checkpoint directory with the tokenizer files of `tokenizer_dir`."""
     os.makedirs(target, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     for name in TOKENIZER_FILES:

@@ -2,20 +2,18 @@
 a tiny random Gemma3ForCausalLM with local (sliding-window) and global layers, prompts longer
 than the window, alone, batched, in chunks, with prefix-cache hits and steps built ahead."""
 
-import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipelines import SamplingParams, TextContext
+from pipelines import TextContext
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.helpers import TOKENIZER_FILES, hf_greedy
+from tests.helpers import hf_greedy, save_with_tokenizer
+from tests.test_model_oracle import run_engine as oracle_run_engine
 from tests.test_model_oracle import run_engine_overlapped
-from worker import model_runner
 from worker.attention import build_attention_metadata, sliding_window_metadata
 from worker.model_config import (
     RunnerConfig,
@@ -65,43 +63,20 @@ def make_tiny_gemma3(target: str, tokenizer_dir: str, seed: int = 0, **overrides
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0, 0.3)
-    os.makedirs(target, exist_ok=True)
-    model.save_pretrained(target, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        src = os.path.join(tokenizer_dir, name)
-        if os.path.exists(src):
-            shutil.copy(src, target)
-    return target
+    return save_with_tokenizer(model, target, tokenizer_dir)
 
 
 def gemma_runner(path: str, **options) -> ModelRunner:
-    """A ModelRunner for `path`, its model class picked by worker/models/registry.py (patched
-    into the runner while it builds the model, for a runner that does not use it itself)."""
     cfg = RunnerConfig(path, **{"block_size": 4, "kv_cache_memory": 8 << 20, **options})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_runner, "LlamaForCausalLM",
-                   lambda config, max_positions: model_class(config)(config, max_positions),
-                   raising=False)
-        runner = ModelRunner(cfg)
+    runner = ModelRunner(cfg)
     assert isinstance(runner.model, Gemma3ForCausalLM)
     assert runner.model.fused_decode is None
     return runner
 
 
-def run_engine(runner, prompts_ids, budget=512, block_size=4, new_tokens=NEW_TOKENS):
-    """Scheduler + runner in one process (tests/test_model_oracle.py's, with more tokens)."""
-    blocks = BlockManager(runner.num_blocks, block_size, True)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
-                                      max_model_len=runner.max_model_len), blocks)
-    ctxs = [TextContext(max_length=len(p) + new_tokens, tokens=np.array(p), eos_token_ids=set(),
-                        sampling_params=SamplingParams()) for p in prompts_ids]
-    for c in ctxs:
-        sched.add_request(c)
-    while sched.has_work:
-        step = sched.schedule()
-        sched.update(step, runner.execute(step.batch))
-    assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
-    return [c.generated_tokens.tolist() for c in ctxs], sched
+def run_engine(runner, prompts_ids, budget=512):
+    """tests/test_model_oracle.py's, with NEW_TOKENS of this module's."""
+    return oracle_run_engine(runner, prompts_ids, budget, new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ reply), so the test of <end_of_turn> ending a chat reply forces it with logit_bi
 min_tokens have been generated.
 """
 
-import asyncio
 import importlib.util
 import os
 
@@ -47,6 +46,7 @@ if _MISSING:
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs  # noqa: E402
 from tests.helpers import start_server  # noqa: E402
 
 TIE_NATS = 0.5
@@ -112,64 +112,26 @@ def server(gguf_path):
     assert srv.stop() == 0
 
 
-async def _complete(client, url, prompt_ids):
-    r = await client.post(url + "/v1/completions", json={
-        "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
-        "return_tokens_as_token_ids": True}, timeout=300)
-    assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]
-    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-    return ids, lp["token_logprobs"]
-
-
-def _generate(url, prompts_ids, concurrent):
-    async def go():
-        async with httpx.AsyncClient() as client:
-            if concurrent:
-                return await asyncio.gather(*(_complete(client, url, p) for p in prompts_ids))
-            return [await _complete(client, url, p) for p in prompts_ids]
-
-    return asyncio.run(go())
-
-
 _ORACLE_CACHE: dict[tuple[int, ...], torch.Tensor] = {}
 
 
 def _oracle_logprobs(model, prompt_ids, generated):
     key = tuple(prompt_ids + generated)
     if key not in _ORACLE_CACHE:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt_ids + generated])).logits
-        _ORACLE_CACHE[key] = logits[0, len(prompt_ids) - 1:-1].float().log_softmax(-1)
+        _ORACLE_CACHE[key] = oracle_logprobs(model, prompt_ids, generated)
     return _ORACLE_CACHE[key]
-
-
-def _check_against_oracle(model, prompt_ids, generated, logprobs, stats):
-    oracle = _oracle_logprobs(model, prompt_ids, generated)
-    for j, token in enumerate(generated):
-        best = float(oracle[j].max())
-        mine = float(oracle[j, token])
-        stats["gap"] = max(stats["gap"], best - mine)
-        stats["logprob"] = max(stats["logprob"], abs(logprobs[j] - mine))
-        assert mine >= best - TIE_NATS, (
-            f"prompt of {len(prompt_ids)} tokens, position {j}: token {token} is "
-            f"{best - mine:.3f} nats below the oracle's choice")
-        assert abs(logprobs[j] - mine) <= LOGPROB_NATS, (
-            f"prompt of {len(prompt_ids)} tokens, position {j}: logprob {logprobs[j]:.4f}, "
-            f"oracle {mine:.4f}")
-        stats["exact"] += int(token == int(oracle[j].argmax()))
-        stats["total"] += 1
 
 
 @pytest.mark.parametrize("concurrent", [False, True], ids=["alone", "batched"])
 def test_greedy_output_agrees_with_transformers_on_the_gguf(server, oracle, prompts_ids,
                                                              concurrent):
     model, _ = oracle
-    results = _generate(server.url, prompts_ids, concurrent)
+    results = generate(server.url, prompts_ids, concurrent, MAX_TOKENS, timeout=300)
     stats = {"exact": 0, "total": 0, "gap": 0.0, "logprob": 0.0}
     for prompt_ids, (generated, logprobs) in zip(prompts_ids, results):
         assert len(generated) == MAX_TOKENS
-        _check_against_oracle(model, prompt_ids, generated, logprobs, stats)
+        check_against_oracle(_oracle_logprobs(model, prompt_ids, generated), prompt_ids,
+                             generated, logprobs, stats, TIE_NATS, LOGPROB_NATS)
     print(f"\n{'batched' if concurrent else 'alone'}: {stats['exact']}/{stats['total']} exact, "
           f"largest gap to the oracle's choice {stats['gap']:.3f} nats, largest logprob "
           f"difference {stats['logprob']:.3f} nats")

@@ -15,7 +15,6 @@ and most tokens (>= 90%) are exactly the oracle's greedy choice. Prompt token id
 prompts' lengths) must equal the oracle tokenizer's exactly.
 """
 
-import asyncio
 import os
 
 import httpx
@@ -23,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs
 from tests.helpers import start_server
 
 TIE_NATS = 0.5
@@ -63,50 +63,16 @@ def server(gguf_path):
     assert srv.stop() == 0
 
 
-async def _complete(client, url, prompt_ids):
-    r = await client.post(url + "/v1/completions", json={
-        "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
-        "return_tokens_as_token_ids": True}, timeout=120)
-    assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]
-    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-    return ids, lp["token_logprobs"]
-
-
-def _generate(url, prompts_ids, concurrent):
-    async def go():
-        async with httpx.AsyncClient() as client:
-            if concurrent:
-                return await asyncio.gather(*(_complete(client, url, p) for p in prompts_ids))
-            return [await _complete(client, url, p) for p in prompts_ids]
-
-    return asyncio.run(go())
-
-
-def _check_against_oracle(model, prompt_ids, generated, logprobs, stats):
-    ids = torch.tensor([prompt_ids + generated])
-    with torch.no_grad():
-        oracle = model(ids).logits[0, len(prompt_ids) - 1:-1].float().log_softmax(-1)
-    for j, token in enumerate(generated):
-        best = float(oracle[j].max())
-        mine = float(oracle[j, token])
-        assert mine >= best - TIE_NATS, (
-            f"position {j}: token {token} is {best - mine:.3f} nats below the oracle's choice")
-        assert abs(logprobs[j] - mine) <= LOGPROB_NATS, (
-            f"position {j}: logprob {logprobs[j]:.4f}, oracle {mine:.4f}")
-        stats["exact"] += int(token == int(oracle[j].argmax()))
-        stats["total"] += 1
-
-
 @pytest.mark.parametrize("concurrent", [False, True], ids=["alone", "batched"])
 def test_greedy_output_agrees_with_transformers_on_the_gguf(server, oracle, concurrent):
     model, tok = oracle
     prompts_ids = [tok(p)["input_ids"] for p in PROMPTS]
-    results = _generate(server.url, prompts_ids, concurrent)
+    results = generate(server.url, prompts_ids, concurrent, MAX_TOKENS)
     stats = {"exact": 0, "total": 0}
     for prompt_ids, (generated, logprobs) in zip(prompts_ids, results):
         assert len(generated) == MAX_TOKENS
-        _check_against_oracle(model, prompt_ids, generated, logprobs, stats)
+        check_against_oracle(oracle_logprobs(model, prompt_ids, generated), prompt_ids,
+                             generated, logprobs, stats, TIE_NATS, LOGPROB_NATS)
     assert stats["exact"] >= 0.9 * stats["total"], stats
 
 

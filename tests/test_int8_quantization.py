@@ -25,8 +25,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a ti
 
 
 def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir):
-    import tests.test_model_oracle as oracle_module
-
     runner = ModelRunner(RunnerConfig(smollm2_dir, quantization="int8", block_size=16,
                                       kv_cache_memory=64 << 20, max_model_len=512))
     layers = runner.model.layers
@@ -43,11 +41,7 @@ def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    old, oracle_module.NEW_TOKENS = oracle_module.NEW_TOKENS, 16
-    try:
-        outputs, _ = run_engine(runner, prompts)
-    finally:
-        oracle_module.NEW_TOKENS = old
+    outputs, _ = run_engine(runner, prompts, new_tokens=16)
     exact = total = 0
     for prompt, generated in zip(prompts, outputs):
         with torch.no_grad():

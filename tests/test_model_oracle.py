@@ -23,12 +23,13 @@ PROMPTS = [
 NEW_TOKENS = 12
 
 
-def run_engine(runner, prompts_ids, budget=512, block_size=4, num_blocks=None, prefix=True):
+def run_engine(runner, prompts_ids, budget=512, block_size=4, num_blocks=None, prefix=True,
+               new_tokens=NEW_TOKENS):
     """Scheduler + runner in one process: the same step path the processes use."""
     blocks = BlockManager(num_blocks or runner.num_blocks, block_size, prefix)
     sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
                                       max_model_len=runner.max_model_len), blocks)
-    ctxs = [TextContext(max_length=len(p) + NEW_TOKENS, tokens=np.array(p), eos_token_ids=set(),
+    ctxs = [TextContext(max_length=len(p) + new_tokens, tokens=np.array(p), eos_token_ids=set(),
                         sampling_params=SamplingParams()) for p in prompts_ids]
     for c in ctxs:
         sched.add_request(c)
