@@ -53,3 +53,25 @@ def test_temperature_sampling_follows_the_distribution():
     counts = torch.bincount(torch.tensor([sample(logits, [st]).item() for _ in range(3000)]),
                             minlength=3).float() / 3000
     assert torch.allclose(counts, probs, atol=0.04)
+
+
+def test_masked_tokens_are_never_drawn():
+    # A grammar's mask leaves -inf logits; no draw may land on one, whatever the rounding.
+    torch.manual_seed(3)
+    logits = torch.randn(8, 5000) * 4
+    masked = torch.rand(8, 5000) < 0.97
+    masked[:, -1] = True  # the last token (where a rounded-up target would land) is masked
+    logits[masked] = float("-inf")
+    sts = states(*[SamplingParams(top_k=0, temperature=1.0, seed=s) for s in range(8)])
+    for _ in range(300):
+        tokens = sample(logits, sts)
+        assert not masked.gather(1, tokens.unsqueeze(1)).any()
+
+
+def test_draws_skip_a_zero_probability_token_between_others():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    st = states(SamplingParams(top_k=0, seed=11))[0]
+    draws = torch.tensor([sample(probs.log().unsqueeze(0), [st]).item() for _ in range(4000)])
+    counts = torch.bincount(draws, minlength=4).float() / 4000
+    assert counts[1] == 0
+    assert torch.allclose(counts, probs, atol=0.03)

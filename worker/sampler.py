@@ -80,7 +80,7 @@ def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> 
     needs_filter = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
     if not needs_filter:
         probs = logits.softmax(dim=-1)
-        return _exponential_race(probs, states)
+        return _draw(probs, states)
 
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab).unsqueeze(0)
@@ -93,13 +93,26 @@ def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> 
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
     below_min_p = probs < min_p * probs[:, :1]
     probs = probs.masked_fill(outside_p | below_min_p, 0.0)
-    choice = _exponential_race(probs, states)
+    choice = _draw(probs, states)
     return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
-def _exponential_race(probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
-    """argmax(p / E) with E ~ Exp(1) draws a token with probability p (no renormalising)."""
-    noise = torch.empty_like(probs)
+def _draw(probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+    """One token per row with probability proportional to `probs` (unnormalised is fine), by
+    inverse CDF: one uniform draw per request from its own generator, then a search in the
+    row's running sum. (An exponential race drew one number per vocabulary entry: 16 ms per
+    step at batch 16 over a 49k vocabulary, where this takes 0.5 ms.)"""
+    u = torch.empty(len(states), 1, dtype=torch.float64)
     for i, state in enumerate(states):
-        noise[i].exponential_(generator=state.generator)
-    return (probs / noise).argmax(dim=-1)
+        u[i].uniform_(generator=state.generator)
+    cdf = probs.cumsum(dim=-1)
+    # The first index whose running sum passes u * total: a zero-probability token adds
+    # nothing to the sum, so it is never the first to pass it.
+    target = (u * cdf[:, -1:].double()).to(cdf.dtype)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    # Rounding (the target at the total itself, or a vectorised scan's last bit) must never
+    # pick a token without mass, such as one a grammar masked: those rows take their argmax.
+    massless = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) <= 0
+    if massless.any():
+        tokens = torch.where(massless, probs.argmax(dim=-1), tokens)
+    return tokens
