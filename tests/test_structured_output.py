@@ -71,11 +71,15 @@ def test_json_schema_outputs_validate(client, name, temperature):
 
 
 def test_json_object_mode(client):
+    # Sampled at temperature 1 a tiny model may still be inside the object at max_tokens
+    # (a long run of digits): every choice that stops is an object, and most stop.
     r = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", temperature=1.0, seed=5, max_tokens=150,
+        model="SmolLM2-135M-Instruct", temperature=1.0, seed=5, max_tokens=150, n=6,
         messages=[{"role": "user", "content": "Describe a cat as JSON."}],
         response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    stopped = [c for c in r.choices if c.finish_reason == "stop"]
+    assert len(stopped) >= 3
+    assert all(isinstance(json.loads(c.message.content), dict) for c in stopped)
 
 
 def test_structured_completion_endpoint(client):

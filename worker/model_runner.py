@@ -112,15 +112,10 @@ class ModelRunner:
                 raw = sample_logits[wants_logprobs].clone() if wants_logprobs else None
                 process_logits(sample_logits, batch_states)
                 if constrained:
-                    allowed = self.grammars.compute_masks([batch_states[j].matcher
-                                                           for j in constrained])
-                    self.grammars.apply_masks(sample_logits, constrained, allowed)
-                tokens = sample(sample_logits, batch_states)
-                for j in constrained:
-                    matcher = batch_states[j].matcher
-                    if not matcher.consume_token(int(tokens[j])):
-                        logger.warning("grammar rejected token %d: %s", int(tokens[j]),
-                                       matcher.get_error())
+                    tokens = self.grammars.sample(sample_logits, batch_states, constrained,
+                                                  sample)
+                else:
+                    tokens = sample(sample_logits, batch_states)
                 out.sampled_token_ids[sample_seqs] = tokens.numpy()
                 for st, token in zip(batch_states, tokens.tolist()):
                     st.output_tokens.append(token)

@@ -6,7 +6,8 @@ request's rows so every sampled token keeps the output valid.
   AutoTokenizer in a background thread: ~4 s of GIL-holding Python that slowed the first
   forward passes from 0.4 s to 2 s.
 - Each distinct schema is compiled once; requests get a cheap deep copy of the compiled matcher.
-- Masks of all constrained rows are computed in one call across Rust threads (GIL released).
+- A row draws first and is masked only when the grammar rejects its token (see `sample`);
+  the masks needed are computed in one call across Rust threads (GIL released).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class GrammarCompiler:
         self.loaded = True
         try:
             import llguidance
+            import llguidance.numpy  # noqa: F401 (here, not on the first constrained step)
 
             self._tokenizer = _llguidance_tokenizer(self.model_dir)
             # As many threads as the worker's torch threads: more would oversubscribe the cores.
@@ -105,26 +107,64 @@ class GrammarCompiler:
         return template.deep_copy()
 
     def compute_masks(self, matchers: list) -> np.ndarray:
-        """The tokens each matcher allows next, bool [len(matchers), vocab].
+        """The tokens each matcher allows next, uint8 0/1 [len(matchers), vocab].
 
         Computed after the forward pass, not beside it: on a 2-core machine a mask thread
         running during the forward steals a core from torch's threads, and the forward's
-        parallel regions then stall at every barrier (measured: 9x slower steps)."""
-        import llguidance.torch as llt
+        parallel regions then stall at every barrier (measured: 9x slower steps).
+        (llguidance.numpy, not llguidance.torch: importing the latter imports
+        torch._dynamo, a 1.8 s stall of the first constrained step.)"""
+        import llguidance.numpy as lln
 
-        bitmask = llt.allocate_token_bitmask(len(matchers), self.vocab_size)
-        llt.fill_next_token_bitmask_par(self._executor,
+        bitmask = lln.allocate_token_bitmask(len(matchers), self.vocab_size)
+        lln.fill_next_token_bitmask_par(self._executor,
                                         [(m, i) for i, m in enumerate(matchers)], bitmask)
         # Little-endian int32 words: unpacking their bytes bit by bit gives token order.
-        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        return allowed[:, : self.vocab_size].astype(bool)
+        return np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size,
+                             bitorder="little")
 
     @staticmethod
     def apply_masks(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> None:
-        """Rows of `logits` [B, V] keep only the tokens their grammar allows."""
-        vocab = logits.shape[1]
-        keep = np.zeros((len(rows), vocab), dtype=bool)
-        n = min(vocab, allowed.shape[1])
-        keep[:, :n] = allowed[:, :n]
-        index = torch.tensor(rows)
-        logits[index] = logits[index].masked_fill(torch.from_numpy(~keep), float("-inf"))
+        """Rows of `logits` [B, V] keep only the tokens their grammar allows (in place)."""
+        n = min(logits.shape[1], allowed.shape[1])
+        forbidden = torch.from_numpy(allowed[:, :n]) == 0
+        for j, row in enumerate(rows):
+            logits[row, :n].masked_fill_(forbidden[j], float("-inf"))
+            logits[row, n:] = float("-inf")  # ids past the grammar's vocabulary (padding)
+
+    def sample(self, logits: torch.Tensor, states: list, constrained: list[int],
+               draw) -> torch.Tensor:
+        """`draw(logits, states)` for every row, the `constrained` rows kept to their grammar,
+        each of whose matchers then consumes its token.
+
+        A row that samples from the whole distribution (greedy, or temperature alone) draws
+        first and is masked only if the grammar rejects its token, then draws again: a token
+        the grammar accepts at once is a draw from the masked distribution (rejection
+        sampling), and for greedy rows the argmax is the masked argmax. Most tokens of a JSON
+        output pass, so most rows skip the mask (0.1 ms per row per step). Rows with top-k,
+        top-p or min-p are masked first, since those filters must see the masked logits.
+        The check is llguidance's token validation, which also admits a non-canonical
+        tokenization of text the grammar forces (its mask admits only the canonical one)."""
+        masked_first = [j for j in constrained if _filters_the_distribution(states[j].params)]
+        if masked_first:
+            self._mask(logits, masked_first, states)
+        tokens = draw(logits, states)
+        rejected = [j for j in constrained if j not in masked_first
+                    and states[j].matcher.try_consume_tokens([int(tokens[j])]) != 1]
+        if rejected:
+            self._mask(logits, rejected, states)
+            tokens[rejected] = draw(logits[rejected], [states[j] for j in rejected])
+        for j in masked_first + rejected:
+            matcher = states[j].matcher
+            if not matcher.consume_token(int(tokens[j])):
+                logger.warning("grammar rejected token %d: %s", int(tokens[j]),
+                               matcher.get_error())
+        return tokens
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], states: list) -> None:
+        self.apply_masks(logits, rows, self.compute_masks([states[j].matcher for j in rows]))
+
+
+def _filters_the_distribution(params) -> bool:
+    return not params.is_greedy and (params.top_k > 1 or params.top_p < 1.0
+                                     or params.min_p > 0.0)
