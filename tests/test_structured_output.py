@@ -240,3 +240,67 @@ def test_grammar_tokenizer_is_left_out_of_start_up(smollm2_dir):
     assert tasks == [Runner.grammars.load] and not Runner.grammars.loaded
     tasks[0]()
     assert Runner.grammars.loaded and Runner.grammars.vocab_size == first.vocab_size
+
+
+def _grammar(smollm2_dir):
+    from worker.structured_output import GrammarCompiler
+
+    compiler = GrammarCompiler(smollm2_dir)
+    schema = json.dumps(SCHEMAS["answer"])
+    start = compiler.matcher_for(schema)
+    start.consume_tokens(start.compute_ff_tokens())  # {"answer": (then a quote, spaced or not)
+    allowed = compiler.compute_masks([start])[0].astype(bool)
+    return compiler, start, allowed
+
+
+def test_constrained_draws_follow_the_masked_distribution(smollm2_dir):
+    # Rows draw before any mask and are masked only when rejected: the tokens they end with
+    # must still be distributed as the masked distribution, p restricted to what the grammar
+    # allows and renormalised, and never a token the grammar rejects.
+    import numpy as np
+    import torch
+
+    from pipelines import SamplingParams
+    from worker.sampler import RequestSamplingState, sample
+
+    compiler, start, allowed = _grammar(smollm2_dir)
+    ok = np.flatnonzero(allowed)
+    bad = np.flatnonzero(~allowed)
+    assert len(ok) >= 2 and len(bad) > 1000
+    # Half of the mass on rejected tokens, the rest 3:1 on two allowed ones.
+    probs = torch.zeros(compiler.vocab_size)
+    probs[bad[:2]] = 0.25
+    probs[ok[:2]] = torch.tensor([0.375, 0.125])
+    logits = probs.log().repeat(8, 1)
+    counts = torch.zeros(2)
+    for trial in range(60):
+        states = [RequestSamplingState.create(SamplingParams(top_k=0, temperature=1.0,
+                                                             seed=trial * 8 + i))
+                  for i in range(8)]
+        for st in states:
+            st.matcher = start.deep_copy()
+        tokens = compiler.sample(logits.clone(), states, list(range(8)), sample).tolist()
+        assert set(tokens) <= set(ok[:2].tolist())
+        counts += torch.tensor([tokens.count(int(ok[0])), tokens.count(int(ok[1]))])
+        # Each matcher consumed its token (accepted at once or after its mask): it has moved on.
+        after = compiler.compute_masks([st.matcher for st in states]).astype(bool)
+        assert not any((row == allowed).all() for row in after)
+    assert abs(counts[0] / counts.sum() - 0.75) < 0.06
+
+
+def test_greedy_constrained_rows_take_the_best_allowed_token(smollm2_dir):
+    import torch
+
+    from pipelines import SamplingParams
+    from worker.sampler import RequestSamplingState, sample
+
+    compiler, start, allowed = _grammar(smollm2_dir)
+    torch.manual_seed(0)
+    logits = torch.randn(6, compiler.vocab_size)
+    states = [RequestSamplingState.create(SamplingParams(temperature=0.0)) for _ in range(6)]
+    for st in states:
+        st.matcher = start.deep_copy()
+    logits[:3, torch.from_numpy(allowed)] += 10.0  # rows 0-2: the unmasked argmax passes
+    tokens = compiler.sample(logits.clone(), states, list(range(6)), sample).tolist()
+    masked = logits.masked_fill(~torch.from_numpy(allowed), float("-inf"))
+    assert tokens == masked.argmax(dim=-1).tolist()

@@ -149,16 +149,17 @@ class GrammarCompiler:
         if masked_first:
             self._mask(logits, masked_first, states)
         tokens = draw(logits, states)
+        drawn = tokens.tolist()
         rejected = [j for j in constrained if j not in masked_first
-                    and states[j].matcher.try_consume_tokens([int(tokens[j])]) != 1]
+                    and states[j].matcher.try_consume_tokens([drawn[j]]) != 1]
         if rejected:
             self._mask(logits, rejected, states)
             tokens[rejected] = draw(logits[rejected], [states[j] for j in rejected])
+            drawn = tokens.tolist()
         for j in masked_first + rejected:
             matcher = states[j].matcher
-            if not matcher.consume_token(int(tokens[j])):
-                logger.warning("grammar rejected token %d: %s", int(tokens[j]),
-                               matcher.get_error())
+            if not matcher.consume_token(drawn[j]):
+                logger.warning("grammar rejected token %d: %s", drawn[j], matcher.get_error())
         return tokens
 
     def _mask(self, logits: torch.Tensor, rows: list[int], states: list) -> None:
