@@ -263,7 +263,7 @@ class ChatRun:
         after, forced_tokens = following
         offset += forced_tokens
         stream = stream_choice(self.routes.engine, after, self.routes.tokenizer.delegate, index,
-                               _stop_list(self.sampling), self.sampling.skip_special_tokens,
+                               self.sampling.skip_special_tokens,
                                self._time_left())
         try:
             async for d in stream:
@@ -304,8 +304,3 @@ class ChatRun:
         if timeout is None:
             return None
         return max(0.001, timeout - (time.monotonic() - self.started))
-
-
-def _stop_list(sampling: SamplingFields) -> list[str]:
-    stop = sampling.stop
-    return [stop] if isinstance(stop, str) else list(stop or [])

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
@@ -230,7 +231,7 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason)
         self._submitted[ctx.request_id] = self._open(ctx, timeout)
         try:
-            await self.requests.send(self.encode(ctx), copy=False)
+            await self.requests.send(self.encode(_without_stop_strings(ctx)), copy=False)
         except BaseException:
             self.withdraw([ctx.request_id])
             raise
@@ -327,3 +328,12 @@ class EngineClient:
         if self._reader is not None:
             self._reader.cancel()
         self.zctx.destroy(linger=0)
+
+
+def _without_stop_strings(ctx: TextContext) -> TextContext:
+    """The context as the scheduler gets it: stop strings are applied by this process's
+    detokenizer, so they never cross the wire (up to 16 x 256 characters a request)."""
+    if not ctx.sampling_params.stop:
+        return ctx
+    params = msgspec.structs.replace(ctx.sampling_params, stop=None)
+    return msgspec.structs.replace(ctx, sampling_params=params)

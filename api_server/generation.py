@@ -34,11 +34,11 @@ class ChoiceDelta:
 
 async def stream_choice(
     engine: EngineClient, ctx: TextContext, tokenizer, index: int,
-    stop: list[str], skip_special_tokens: bool, timeout: float | None = None,
+    skip_special_tokens: bool, timeout: float | None = None,
 ) -> AsyncIterator[ChoiceDelta]:
     prompt_ids = ctx.prompt_tokens.tolist()
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
-    stops = StopStringMatcher(stop)
+    stops = StopStringMatcher(ctx.sampling_params.stop or [])
     stop_ids = set(ctx.sampling_params.stop_token_ids or ())
     eos_ids = set() if ctx.ignore_eos else set(ctx.eos_token_ids)
     completion_tokens = 0

@@ -139,7 +139,8 @@ class OpenAIRoutes:
                 min_new_tokens=req.min_tokens,
                 ignore_eos=req.ignore_eos,
                 # Stop strings stay in this process (the detokenizer applies them): the
-                # scheduler and worker never read them.
+                # engine client leaves them out of what it sends.
+                stop=[req.stop] if isinstance(req.stop, str) else (list(req.stop or []) or None),
                 stop_token_ids=self._check_token_ids(req.stop_token_ids, "stop_token_ids"),
                 seed=(seed + index) % (1 << 63),  # each choice its own stream
                 logit_bias=self._logit_bias(req.logit_bias),
@@ -180,11 +181,10 @@ class OpenAIRoutes:
     def _streams(self, contexts, req: SamplingFields, n: int) -> list[AsyncIterator[ChoiceDelta]]:
         """One stream per choice. Of the n choices of a prompt, the first runs at once and the
         others start once it has prefilled, reusing its prompt blocks from the prefix cache."""
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         streams = []
         started: asyncio.Event | None = None
         for i, ctx in enumerate(contexts):
-            stream = stream_choice(self.engine, ctx, self.tokenizer.delegate, i, stop,
+            stream = stream_choice(self.engine, ctx, self.tokenizer.delegate, i,
                                    req.skip_special_tokens, self.request_timeout)
             if n > 1 and i % n == 0:
                 started = asyncio.Event()

@@ -152,7 +152,7 @@ class _StepLoop:
         batch = st.build_step(self.step_id, chunks, self.block_size)
         self.step_id += 1
         started = time.perf_counter()
-        output = self.runner.execute(batch)
+        output = self.runner.next_token(batch)
         elapsed = time.perf_counter() - started
         # execute() returns the token array, or (newer runners) an object carrying it.
         sampled = getattr(output, "sampled_token_ids", output)
@@ -166,7 +166,7 @@ class _StepLoop:
         return times
 
     def finish(self, seqs) -> None:
-        self.runner.execute(st.finish_step(self.step_id, seqs))
+        self.runner.next_token(st.finish_step(self.step_id, seqs))
         self.step_id += 1
 
 

@@ -24,7 +24,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
-    detokenize: bool = True
     seed: int = 0
     # Extension (OpenAI's logit_bias): added to the token's logit before sampling.
     logit_bias: dict[int, float] | None = None

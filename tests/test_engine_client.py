@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect
 from api_server.engine_client import EngineClient
 from api_server.engine_stream_response import EngineStreamResponse
 from api_server.metrics import Metrics
+from pipelines import SamplingParams
 from pipelines.context import TextContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
@@ -147,11 +148,15 @@ def test_a_stop_string_in_the_final_output_leaves_no_entry_behind(tmp_path):
 
     async def scenario(engine, scheduler):
         ctx = context("final")
+        ctx.sampling_params = SamplingParams(stop=["k"])
         await engine.submit(ctx)
-        scheduler.requests_received()
+        # Stop strings stay in the API process: the scheduler gets the context without them.
+        [sent] = scheduler.requests_received()
+        assert sent.request_id == "final" and sent.sampling_params.stop is None
+        assert ctx.sampling_params.stop == ["k"]
         scheduler.reply(TextGenerationOutput("final", [ord("o"), ord("k")],
                                              GenerationStatus.MAXIMUM_LENGTH))
-        deltas = [d async for d in stream_choice(engine, ctx, Chars(), 0, ["k"], True)]
+        deltas = [d async for d in stream_choice(engine, ctx, Chars(), 0, True)]
         assert [(d.text, d.finish_reason) for d in deltas] == [("o", "stop")]
         assert engine._ended_early == {} and engine.streams == {}
 

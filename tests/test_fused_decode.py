@@ -72,7 +72,7 @@ def test_decode_step_logits_equal_the_python_path(runner):
         sched.add_request(TextContext(max_length=n + 8, tokens=rng.integers(5, 400, n),
                                       sampling_params=SamplingParams(temperature=0.0)))
     step = sched.schedule()
-    sched.update(step, runner.execute(step.batch))  # prefill (the Python path)
+    sched.update(step, runner.next_token(step.batch))  # prefill (the Python path)
     for _ in range(3):
         step = sched.schedule()
         batch = step.batch
@@ -91,4 +91,4 @@ def test_decode_step_logits_equal_the_python_path(runner):
             finally:
                 runner.model.fused_decode = fused_path
         torch.testing.assert_close(fused, python, rtol=1e-4, atol=1e-4)
-        sched.update(step, runner.execute(batch))
+        sched.update(step, runner.next_token(batch))

@@ -146,14 +146,23 @@ def test_stop_strings_are_bounded(server):
 
 
 def test_stop_strings_stay_in_the_api_process(tiny_model_dir):
+    import numpy as np
+
+    from api_server.engine_client import _without_stop_strings
     from api_server.openai_routes import OpenAIRoutes
     from api_server.protocol import CompletionRequest
+    from pipelines import TextContext
+    from serialization.codec import msgpack_numpy_encoder
 
-    req = CompletionRequest(prompt="hi", stop=["a", "b"])
+    req = CompletionRequest(prompt="hi", stop=["stop-one", "stop-two"])
     routes = OpenAIRoutes.__new__(OpenAIRoutes)
     routes.tokenizer = type("T", (), {"vocab_size": 100})()
     params = routes._sampling_params(req, 4, 0)
-    assert params.stop is None
+    assert params.stop == ["stop-one", "stop-two"]  # what this process's detokenizer applies
+    ctx = TextContext(max_length=10, tokens=np.arange(3), sampling_params=params)
+    frame = msgpack_numpy_encoder()(_without_stop_strings(ctx))
+    assert b"stop-one" not in frame and b"stop-two" not in frame
+    assert ctx.sampling_params.stop == ["stop-one", "stop-two"]
 
 
 def test_partial_stop_matching_is_not_quadratic():

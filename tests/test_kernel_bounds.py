@@ -94,7 +94,7 @@ def steps(runner):
     sched = new_scheduler(runner)
     add_prompts(sched, seed=1)
     prefill = sched.schedule()
-    sched.update(prefill, runner.execute(prefill.batch))
+    sched.update(prefill, runner.next_token(prefill.batch))
     decode = sched.schedule()
     assert (decode.batch.query_lens == 1).all() and (prefill.batch.query_lens > 1).all()
     return {"prefill": prefill.batch, "decode": decode.batch}
@@ -105,7 +105,7 @@ def steps(runner):
 def test_a_corrupted_step_raises_a_value_error(runner, steps, kind, corrupt):
     bad = corrupt(steps[kind], runner)
     with pytest.raises(ValueError, match=f"step {bad.step_id}"):
-        runner.execute(bad)
+        runner.next_token(bad)
     result = answer_step(runner, None, bad, started=0.0)
     assert isinstance(result, StepResult) and result.error.startswith("ValueError")
     assert (result.sampled_token_ids == -1).all()
@@ -141,7 +141,7 @@ def test_legitimate_padding_and_placeholders_pass(runner, steps):
     step = steps["decode"]
     padded = with_arrays(step, block_tables=widened(step.block_tables, 5, -1),
                          input_ids=set_at(step.input_ids, 0, -1))
-    runner.execute(padded)  # (the states' last tokens stand in for the placeholder)
+    runner.next_token(padded)  # (the states' last tokens stand in for the placeholder)
 
 
 # -- allocation failures in the kernels ------------------------------------------------------

@@ -36,7 +36,7 @@ def run_engine(runner, prompts_ids, budget=512, block_size=4, num_blocks=None, p
     steps = 0
     while sched.has_work:
         step = sched.schedule()
-        sched.update(step, runner.execute(step.batch))
+        sched.update(step, runner.next_token(step.batch))
         steps += 1
     assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
     return [c.generated_tokens.tolist() for c in ctxs], sched
@@ -65,7 +65,7 @@ def run_engine_overlapped(runner, prompts_ids, budget=512, block_size=4, num_blo
             queue.append(ahead)
             ahead_steps += 1
         running = queue.pop(0)
-        sched.update(running, runner.execute(running.batch))
+        sched.update(running, runner.next_token(running.batch))
     assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
     assert ahead_steps > 0
     return [c.generated_tokens.tolist() for c in ctxs], sched

@@ -1,4 +1,5 @@
-"""ModelRunner: weights + KV cache + sampling state; executes one StepBatch at a time."""
+"""ModelRunner: the worker's TokenGenerator. It holds the PipelineModel, the KV cache and each
+request's sampling state, and runs one StepBatch at a time."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import torch
 
 from pipelines.context import FUTURE_TOKEN
 from serialization.messages import StepBatch, StepResult
-from worker.attention import build_attention_metadata
 from worker.block_weights import load_block_weights, quantize_weights
 from worker.fused_decode import FusedDecode
 from worker.gguf_file import dequantize, open_gguf
 from worker.gguf_tokenizer import is_gguf
-from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
+from worker.kv_cache import allocate_kv_cache, bytes_per_block
 from worker.logits_processors import process_logits
-from worker.logprobs import plan_echo, resolve_echo, token_logprobs
+from worker.logprobs import plan_echo, resolve_echo
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
+from worker.pipeline_model import ModelInputs, ModelOutputs, PipelineModel
 from worker.quant_linear import QuantLinear
 from worker.sampler import RequestSamplingState, sample
 from worker.structured_output import GrammarCompiler
@@ -39,12 +40,12 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.block_size
         self.max_model_len = resolve_max_model_len(self.config, cfg.max_model_len)
-        self.model = _build_model(self.config, self.max_model_len, self.dtype, cfg.model_dir,
-                                  cfg.quantization)
-        self.num_blocks = estimate_kv_cache_size(
-            self.config, self.dtype, cfg.block_size, self.max_model_len,
-            cfg.max_num_seqs, cfg.kv_cache_memory,
-        )
+        self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
+                                                 cfg.model_dir, cfg.quantization)
+        self.num_blocks = self.model.estimate_kv_cache_size(
+            cfg.kv_cache_memory, self.dtype, cfg.block_size, self.max_model_len,
+            cfg.max_num_seqs,
+        ) // bytes_per_block(self.config, self.dtype, cfg.block_size)
         if self.num_blocks * cfg.block_size < self.max_model_len:
             need = -(-self.max_model_len // cfg.block_size) * bytes_per_block(
                 self.config, self.dtype, cfg.block_size)
@@ -69,8 +70,12 @@ class ModelRunner:
     def eos_token_ids(self) -> list[int]:
         return self.config.eos_token_ids
 
-    def execute(self, step: StepBatch) -> StepResult:
-        """Run the step's forward pass, sample, and compute the log probabilities asked for."""
+    def next_token(self, step: StepBatch) -> StepResult:
+        """MAX's `TokenGenerator.next_token` in the server's paged form: the batch of contexts
+        is the scheduler's StepBatch (one step: a prefill chunk or a decode token each), and
+        the per-request responses come back as one StepResult's arrays (a TextResponse per
+        sequence, packed). Runs the forward pass, samples, and computes the log
+        probabilities asked for. Requests the scheduler lists as finished are released."""
         for new in step.new_requests:
             state = RequestSamplingState.create(
                 new.sampling_params, new.eos_token_ids, new.sampling_params.logit_bias,
@@ -79,7 +84,7 @@ class ModelRunner:
                 state.matcher = self._matcher(new.request_id, new.json_schema)
             self.requests[new.request_id] = state
         for request_id in step.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self.release(request_id)
         # (After the bookkeeping: a failed step's requests are ended by the scheduler, which
         # then lists them as finished, so nothing is left behind.)
         check_step(step, self.num_blocks, self.block_size, self.max_model_len,
@@ -91,40 +96,47 @@ class ModelRunner:
         if num_seqs == 0:
             return out
         states = [self.requests[rid] for rid in step.request_ids]
-        meta = build_attention_metadata(
-            step.query_lens, step.seq_lens, step.block_tables, self.block_size
-        )
         sample_seqs = np.flatnonzero(step.sample)
         last_rows = np.cumsum(step.query_lens.astype(np.int64)) - 1
         echo_plans = plan_echo(step, states)
         rows = [last_rows[sample_seqs]] + [p.rows for p in echo_plans]
-        logits_rows = torch.from_numpy(np.concatenate(rows))
-        input_ids = torch.from_numpy(_realize_future_tokens(step, states))
-        constrained = [j for j, i in enumerate(sample_seqs) if states[i].matcher is not None]
+        inputs = self.model.prepare_initial_token_inputs(
+            step, torch.from_numpy(_realize_future_tokens(step, states)),
+            torch.from_numpy(np.concatenate(rows)), len(sample_seqs), self.kv_cache,
+            self.block_size)
         with torch.inference_mode():
-            logits = self.model(input_ids, meta, self.kv_cache, logits_rows)
-            sample_logits = logits[: len(sample_seqs)]
+            outputs = self.model.execute(inputs)
             if echo_plans:
-                out.prompt_logprobs = resolve_echo(echo_plans, logits[len(sample_seqs):], states)
+                out.prompt_logprobs = resolve_echo(echo_plans,
+                                                   outputs.logits[len(sample_seqs):], states)
             if len(sample_seqs):
-                batch_states = [states[i] for i in sample_seqs]
-                wants_logprobs = [j for j, st in enumerate(batch_states) if st.logprobs]
-                raw = sample_logits[wants_logprobs].clone() if wants_logprobs else None
-                process_logits(sample_logits, batch_states)
-                if constrained:
-                    tokens = self.grammars.sample(sample_logits, batch_states, constrained,
-                                                  sample)
-                else:
-                    tokens = sample(sample_logits, batch_states)
-                out.sampled_token_ids[sample_seqs] = tokens.numpy()
-                for st, token in zip(batch_states, tokens.tolist()):
-                    st.output_tokens.append(token)
-                if wants_logprobs:
-                    top_n = max(batch_states[j].logprobs for j in wants_logprobs)
-                    out.logprob_seqs = [int(sample_seqs[j]) for j in wants_logprobs]
-                    out.sampled_logprobs = token_logprobs(raw, tokens[wants_logprobs], top_n)
+                self._sample(out, inputs, outputs, [states[i] for i in sample_seqs],
+                             sample_seqs)
         return out
 
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's sampling state (its KV blocks are the scheduler's)."""
+        self.requests.pop(request_id, None)
+
+    def _sample(self, out: StepResult, inputs: ModelInputs, outputs: ModelOutputs,
+                batch_states: list[RequestSamplingState], sample_seqs: np.ndarray) -> None:
+        top_n = [st.logprobs for st in batch_states]
+        # Log probabilities are of the raw logits: sampling adjusts a copy when they are asked.
+        logits = outputs.next_token_logits
+        logits = logits.clone() if any(top_n) else logits
+        process_logits(logits, batch_states)
+        constrained = [j for j, st in enumerate(batch_states) if st.matcher is not None]
+        if constrained:
+            tokens = self.grammars.sample(logits, batch_states, constrained, sample)
+        else:
+            tokens = sample(logits, batch_states)
+        out.sampled_token_ids[sample_seqs] = tokens.numpy()
+        for st, token in zip(batch_states, tokens.tolist()):
+            st.output_tokens.append(token)
+        logprobs = self.model.compute_log_probabilities(inputs, outputs, tokens, top_n)
+        if logprobs is not None:
+            out.logprob_seqs = [int(sample_seqs[j]) for j, n in enumerate(top_n) if n > 0]
+            out.sampled_logprobs = logprobs
 
     def _matcher(self, request_id: str, json_schema: str):
         try:
@@ -204,7 +216,7 @@ def _weights_name(cfg: RunnerConfig) -> str:
 
 
 def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, model_path: str,
-                 quantization: str | None = None) -> torch.nn.Module:
+                 quantization: str | None = None) -> PipelineModel:
     # Built on the meta device so no time is spent initialising weights we overwrite.
     with torch.device("meta"):
         model = model_class(config)(config, max_positions)

@@ -48,7 +48,7 @@ class TextGenerationPipeline:
             )
             self._released = []
             self._step_id += 1
-            sampled = self.runner.execute(step).sampled_token_ids
+            sampled = self.runner.next_token(step).sampled_token_ids
             step_out = {}
             for i, ctx in enumerate(contexts):
                 token = int(sampled[i])

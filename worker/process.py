@@ -155,7 +155,7 @@ def _run_step(runner, msg):
 
         inputs = np.split(msg.input_ids, np.cumsum(msg.lengths)[:-1])
         return EmbedResult(step_id=msg.step_id, embeddings=runner.encode(inputs))
-    return runner.execute(msg)
+    return runner.next_token(msg)
 
 
 def _failed(msg, error: str):

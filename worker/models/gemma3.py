@@ -38,6 +38,7 @@ from worker.models.llama import (
     apply_rotary,
     load_fused_hf_weights,
 )
+from worker.pipeline_model import PagedCausalLM
 from worker.weights import empty_embedding
 
 SLIDING = "sliding_attention"
@@ -141,7 +142,7 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(nn.Module, PagedCausalLM):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         if config.layer_types is None or config.query_pre_attn_scalar is None:

@@ -18,6 +18,7 @@ from torch import nn
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, store_kv
 from worker.model_config import ModelConfig
+from worker.pipeline_model import PagedCausalLM
 from worker.weights import empty_embedding
 
 
@@ -176,7 +177,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, PagedCausalLM):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config

@@ -1,0 +1,91 @@
+"""The PipelineModel interface (MAX's names) on its own: a prefill through
+prepare_initial_token_inputs, then decode steps through prepare_next_token_inputs, give
+transformers' logits and greedy tokens on the same weights; log probabilities are the raw
+logits' log-softmax."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from serialization.messages import StepBatch
+from tests.helpers import make_tiny_checkpoint
+from worker.model_config import RunnerConfig
+from worker.model_runner import ModelRunner
+from worker.pipeline_model import PipelineModel
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model_and_oracle(smollm2_dir, tmp_path_factory):
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("pm")), smollm2_dir, seed=3)
+    runner = ModelRunner(RunnerConfig(path, block_size=BLOCK, kv_cache_memory=8 << 20))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return runner, hf, AutoTokenizer.from_pretrained(path)
+
+
+def _prefill_step(prompts: list[list[int]], tables: np.ndarray) -> StepBatch:
+    lens = np.array([len(p) for p in prompts], dtype=np.int32)
+    return StepBatch(step_id=0, request_ids=[str(i) for i in range(len(prompts))],
+                     input_ids=np.concatenate(prompts).astype(np.int32), query_lens=lens,
+                     seq_lens=lens, block_tables=tables, sample=np.ones(len(prompts), bool))
+
+
+def test_prefill_then_next_token_inputs_follow_transformers(model_and_oracle):
+    runner, hf, tok = model_and_oracle
+    model = runner.model
+    assert isinstance(model, PipelineModel)
+    prompts = [tok.encode("The quick brown fox"), tok.encode("In 1492, Columbus sailed the")]
+    steps = 6
+    # Each sequence gets enough blocks for its prompt and the decode steps, disjoint.
+    per_seq = -(-(max(map(len, prompts)) + steps) // BLOCK)
+    tables = np.arange(len(prompts) * per_seq, dtype=np.int32).reshape(len(prompts), per_seq)
+    step = _prefill_step(prompts, tables)
+    last_rows = torch.from_numpy(np.cumsum(step.query_lens).astype(np.int64) - 1)
+    ids = torch.from_numpy(step.input_ids.astype(np.int64))
+    with torch.inference_mode():
+        inputs = model.prepare_initial_token_inputs(step, ids, last_rows, len(prompts),
+                                                    runner.kv_cache, BLOCK)
+        outputs = model.execute(inputs)
+        generated = [[] for _ in prompts]
+        for _ in range(steps):
+            tokens = outputs.next_token_logits.argmax(dim=-1)
+            for g, t in zip(generated, tokens.tolist()):
+                g.append(t)
+            # The oracle's logits for the same next position.
+            for i, p in enumerate(prompts):
+                full = torch.tensor([p + generated[i][:-1]])
+                expected = hf(full).logits[0, -1]
+                torch.testing.assert_close(outputs.next_token_logits[i], expected,
+                                           atol=2e-4, rtol=1e-4)
+            logprobs = model.compute_log_probabilities(inputs, outputs, tokens, [0, 3])
+            raw = torch.log_softmax(outputs.next_token_logits[1], dim=-1)
+            assert logprobs.token_logprobs[0] == pytest.approx(raw[tokens[1]].item(), abs=1e-5)
+            assert logprobs.top_token_ids[0].tolist() == raw.topk(3).indices.tolist()
+            inputs = model.prepare_next_token_inputs(tokens, inputs)
+            outputs = model.execute(inputs)
+    for p, g in zip(prompts, generated):
+        want = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
+        assert g == want[0, len(p):].tolist()
+
+
+def test_next_token_inputs_refuse_a_missing_block(model_and_oracle):
+    runner, _, tok = model_and_oracle
+    prompt = tok.encode("abcd efgh")[:BLOCK]  # exactly one full block
+    tables = np.array([[0, -1]], dtype=np.int32)
+    step = _prefill_step([prompt], tables)
+    with torch.inference_mode():
+        inputs = runner.model.prepare_initial_token_inputs(
+            step, torch.from_numpy(step.input_ids.astype(np.int64)),
+            torch.tensor([len(prompt) - 1]), 1, runner.kv_cache, BLOCK)
+        with pytest.raises(ValueError, match="KV block"):
+            runner.model.prepare_next_token_inputs(torch.tensor([5]), inputs)
+
+
+def test_kv_cache_estimate_is_what_the_runner_allocates(model_and_oracle):
+    runner, _, _ = model_and_oracle
+    size = runner.model.estimate_kv_cache_size(8 << 20, runner.dtype, BLOCK,
+                                               runner.max_model_len, 64)
+    assert size <= 8 << 20
+    assert size == runner.kv_cache.numel() * runner.kv_cache.element_size()

@@ -1,0 +1,120 @@
+"""PipelineModel: the per-architecture model interface of Modular MAX's `max.pipelines`, in the
+batched, paged form the server runs. `ModelRunner` drives models only through it.
+
+How MAX's names map here:
+- `context_batch` is the scheduler's `StepBatch`: per sequence, the tokens scheduled this step
+  (a prefill chunk or one decode token), its length with them, and its KV block table.
+- `prepare_initial_token_inputs(step, ...)` gives `ModelInputs`: the flat token ids, the
+  attention metadata over the paged cache, the cache, and the rows whose logits are wanted.
+- `prepare_next_token_inputs(next_tokens, prev)`: the following decode step of the same
+  sequences (one new token each, every length + 1), for multi-step generation.
+- `execute(inputs)` gives `ModelOutputs`: `next_token_logits` of the sequences that sample,
+  `logits` of every wanted row (those, then prompt rows asked for with echo).
+- `compute_log_probabilities(...)`: the sampled tokens' log probabilities and top-n
+  alternatives, from the raw logits. Prompt (echo) log probabilities are not here: a prompt's
+  rows span prefill chunks, so the runner carries them across steps (worker/logprobs.py).
+- `estimate_kv_cache_size(...)` (MAX's KVCacheMixin): the bytes the paged cache will take.
+
+The decoder-only architectures share `PagedCausalLM`, since their inputs are the same; each
+architecture's module inherits it and brings its own `forward`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from serialization.messages import StepBatch, TokenLogprobs
+from worker.attention import AttentionMetadata, build_attention_metadata
+from worker.kv_cache import bytes_per_block, estimate_kv_cache_size
+from worker.logprobs import token_logprobs
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64, every scheduled token of every sequence in order
+    attention: AttentionMetadata
+    kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, KVH, D]
+    logits_rows: torch.Tensor  # rows of T whose logits are computed: sampled ones first
+    num_sampled: int  # how many of logits_rows are sampling sequences' last rows
+    # The step's paged layout, kept for `prepare_next_token_inputs`.
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    block_size: int
+
+
+@dataclass
+class ModelOutputs:
+    next_token_logits: torch.Tensor | None = None  # [num_sampled, V] float32
+    logits: torch.Tensor | None = None  # [len(logits_rows), V] float32
+
+
+class PipelineModel(ABC):
+    """What the runner asks of an architecture (MAX's `PipelineModel`)."""
+
+    @abstractmethod
+    def prepare_initial_token_inputs(self, step: StepBatch, input_ids: torch.Tensor,
+                                     logits_rows: torch.Tensor, num_sampled: int,
+                                     kv_cache: torch.Tensor, block_size: int) -> ModelInputs: ...
+
+    @abstractmethod
+    def prepare_next_token_inputs(self, next_tokens: torch.Tensor,
+                                  prev_model_inputs: ModelInputs) -> ModelInputs: ...
+
+    @abstractmethod
+    def execute(self, model_inputs: ModelInputs) -> ModelOutputs: ...
+
+    @abstractmethod
+    def compute_log_probabilities(self, model_inputs: ModelInputs, model_outputs: ModelOutputs,
+                                  next_tokens: torch.Tensor,
+                                  batch_top_n: list[int]) -> TokenLogprobs | None: ...
+
+    @abstractmethod
+    def estimate_kv_cache_size(self, available_cache_memory: int | None, dtype: torch.dtype,
+                               block_size: int, max_model_len: int, max_num_seqs: int) -> int: ...
+
+
+class PagedCausalLM(PipelineModel):
+    """PipelineModel for a decoder-only module whose `forward(input_ids, meta, kv_cache,
+    logits_rows)` returns float32 logits of the wanted rows (Llama family, Gemma 3)."""
+
+    def prepare_initial_token_inputs(self, step, input_ids, logits_rows, num_sampled, kv_cache,
+                                     block_size):
+        meta = build_attention_metadata(step.query_lens, step.seq_lens, step.block_tables,
+                                        block_size)
+        return ModelInputs(input_ids, meta, kv_cache, logits_rows, num_sampled,
+                           step.seq_lens, step.block_tables, block_size)
+
+    def prepare_next_token_inputs(self, next_tokens, prev_model_inputs):
+        prev = prev_model_inputs
+        seq_lens = prev.seq_lens.astype(np.int64) + 1
+        tables = prev.block_tables
+        needed = -(-seq_lens // prev.block_size)
+        if (needed > tables.shape[1]).any() or (tables[np.arange(len(seq_lens)), needed - 1] < 0).any():
+            raise ValueError("a sequence's next token needs a KV block its table does not have")
+        n = len(seq_lens)
+        meta = build_attention_metadata(np.ones(n, dtype=np.int64), seq_lens, tables,
+                                        prev.block_size)
+        return ModelInputs(next_tokens.reshape(-1).long(), meta, prev.kv_cache,
+                           torch.arange(n), n, seq_lens, tables, prev.block_size)
+
+    def execute(self, model_inputs):
+        m = model_inputs
+        logits = self(m.input_ids, m.attention, m.kv_cache, m.logits_rows)
+        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=logits)
+
+    def compute_log_probabilities(self, model_inputs, model_outputs, next_tokens, batch_top_n):
+        rows = [i for i, n in enumerate(batch_top_n) if n > 0]
+        if not rows:
+            return None
+        return token_logprobs(model_outputs.next_token_logits[rows], next_tokens[rows],
+                              max(batch_top_n))
+
+    def estimate_kv_cache_size(self, available_cache_memory, dtype, block_size, max_model_len,
+                               max_num_seqs):
+        blocks = estimate_kv_cache_size(self.config, dtype, block_size, max_model_len,
+                                        max_num_seqs, available_cache_memory)
+        return blocks * bytes_per_block(self.config, dtype, block_size)
