@@ -13,59 +13,9 @@ import threading
 import time
 
 from bench.environment import cpu_busy_share
+from bench.procs import TICKS, in_tree, read_procs
 
-TICKS = os.sysconf("SC_CLK_TCK")
 WARN_CORES = 0.1  # foreign CPU above this (in cores, averaged over a measurement) taints it
-UNMEASURED = {"setup", "waiting", "done"}
-
-
-def _read_procs() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, utime + stime in clock ticks), for every process we can read."""
-    procs = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # exited while we looked
-        procs[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    return procs
-
-
-def _ours(pid: int, procs: dict, roots: set[int]) -> bool:
-    while pid > 1 and pid in procs:
-        if pid in roots:
-            return True
-        pid = procs[pid][0]
-    return False
-
-
-def listening_pid(port: int) -> int | None:
-    """The process with a TCP socket listening on `port` on this machine (a peer server we
-    drive: its CPU is the work being measured, not interference)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                inodes.add(f"socket:[{fields[9]}]")
-    for name in os.listdir("/proc") if inodes else ():
-        if not name.isdigit():
-            continue
-        try:
-            for fd in os.listdir(f"/proc/{name}/fd"):
-                if os.readlink(f"/proc/{name}/fd/{fd}") in inodes:
-                    return int(name)
-        except OSError:
-            continue
-    return None
 
 
 class InterferenceMonitor:
@@ -115,10 +65,10 @@ class InterferenceMonitor:
         if not self.enabled:
             return 0.0
         with self._lock:
-            procs, now = _read_procs(), time.monotonic()
+            procs, now = read_procs(), time.monotonic()
             if self._procs is not None:
                 ticks = sum(t - self._procs.get(pid, (0, 0))[1] for pid, (_, t) in procs.items()
-                            if not _ours(pid, procs, self._roots))
+                            if not in_tree(pid, procs, self._roots))
                 self._book(ticks / TICKS, now - self._then)
             self._procs, self._then = procs, now
             return self.total_cpu_s
@@ -140,6 +90,14 @@ class InterferenceMonitor:
         return {name: {"foreign_cpu_cores_mean": p["cpu_s"] / p["wall_s"],
                        "foreign_cpu_cores_max": p["max_cores"], "seconds": p["wall_s"]}
                 for name, p in self.phases.items() if p["wall_s"] > 0}
+
+    def overall(self) -> dict:
+        """The same figures over all phases together."""
+        wall = sum(p["wall_s"] for p in self.phases.values())
+        return {"foreign_cpu_cores_mean": self.total_cpu_s / wall if wall else None,
+                "foreign_cpu_cores_max": max((p["max_cores"] for p in self.phases.values()),
+                                             default=0.0),
+                "seconds": wall}
 
 
 def wait_until_idle(timeout: float, log, monitor: InterferenceMonitor | None = None,

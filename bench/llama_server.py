@@ -38,11 +38,10 @@ import sys
 import time
 from functools import lru_cache
 
+from bench import RESULTS_DIR, log
 from bench.endpoint import wait_healthy
 from bench.server import stop_session
 
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS_DIR = os.path.join(REPO_DIR, "bench", "results")
 DEFAULT_PORT = 8100
 DEFAULT_PARALLEL = 16
 DEFAULT_CTX_PER_SLOT = 2048  # the harness's default P=256 + N=128, with room to spare
@@ -265,10 +264,6 @@ def serve_until_stopped(server: LlamaServer, max_seconds: float) -> int:
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     log(f"llama_server: --max-seconds {max_seconds:.0f} passed, stopping")
     return 0
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

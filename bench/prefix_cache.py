@@ -13,13 +13,11 @@ import json
 import os
 import statistics
 
+from bench import RESULTS_DIR
 from bench.endpoint import http_client, loopback_base_url, served_model
 from bench.prompts import prompt_ids
 from bench.server import LoomServer
 from bench.sse import RequestRecord, completion_body, stream_completion
-
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "bench", "results")
 
 
 async def measure(base_url: str, model: str, prefix_len: int, suffix_len: int, pairs: int,

@@ -11,24 +11,9 @@ from __future__ import annotations
 
 import os
 
+from bench.procs import read_text, stat
+
 KB = 1024
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return None
-
-
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time in clock ticks) of `pid`, or None when it is gone."""
-    text = _read(f"/proc/{pid}/stat")
-    if not text:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return int(fields[1]), int(fields[19])
 
 
 def descendants(root: int) -> list[int]:
@@ -38,7 +23,7 @@ def descendants(root: int) -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        info = _stat(int(name))
+        info = stat(int(name))
         if info is not None:
             parents.setdefault(info[0], []).append(int(name))
             started[int(name)] = info[1]
@@ -51,7 +36,7 @@ def descendants(root: int) -> list[int]:
 
 
 def cmdline(pid: int) -> str:
-    text = _read(f"/proc/{pid}/cmdline") or ""
+    text = read_text(f"/proc/{pid}/cmdline") or ""
     return text.replace("\0", " ").strip()
 
 
@@ -73,7 +58,7 @@ def roles(root: int, pids: list[int]) -> dict[int, str]:
         elif "multiprocessing.spawn" in cmd or "--multiprocessing-fork" in cmd:
             spawned.append(pid)
         else:
-            out[pid] = "child:" + ((_read(f"/proc/{pid}/comm") or "?").strip())
+            out[pid] = "child:" + ((read_text(f"/proc/{pid}/comm") or "?").strip())
     if spawned:
         sizes = {pid: status_kb(pid).get("VmSize", 0) for pid in spawned}
         worker = max(spawned, key=lambda pid: sizes[pid])
@@ -85,7 +70,7 @@ def roles(root: int, pids: list[int]) -> dict[int, str]:
 def status_kb(pid: int) -> dict[str, int]:
     """VmSize, VmRSS, VmHWM, RssAnon, RssFile (kB) and Threads of /proc/<pid>/status."""
     values = {}
-    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+    for line in (read_text(f"/proc/{pid}/status") or "").splitlines():
         key, _, rest = line.partition(":")
         if key in ("VmSize", "VmRSS", "VmHWM", "RssAnon", "RssFile", "Threads"):
             try:
@@ -100,7 +85,7 @@ def anonymous_mappings(pid: int) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     size = None
     anonymous = False
-    for line in (_read(f"/proc/{pid}/smaps") or "").splitlines():
+    for line in (read_text(f"/proc/{pid}/smaps") or "").splitlines():
         first = line.split(None, 1)[0] if line else ""
         if "-" in first and not first.endswith(":"):
             parts = line.split()
@@ -148,38 +133,3 @@ def snapshot(root: int, kv_bytes: int | None = None) -> list[dict]:
                 row["rss_excl_kv_kb"] = row["rss_kb"] - kv[1]
         rows.append(row)
     return rows
-
-
-def listening_pid(port: int) -> int | None:
-    """The process holding the listening TCP socket on `port` (the oldest holder, when a
-    child inherited it); None when it is not ours to see."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in (_read(table) or "").splitlines()[1:]:
-            parts = line.split()
-            if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(parts[9])
-    if not inodes:
-        return None
-    targets = {f"socket:[{inode}]" for inode in inodes}
-    holders = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{name}/fd/{fd}") in targets:
-                    holders.append(int(name))
-                    break
-            except OSError:
-                continue
-    if not holders:
-        return None
-    # An inheriting child's parent holds it too: the holder whose parent does not.
-    holder_set = set(holders)
-    roots = [pid for pid in holders if (_stat(pid) or (0, 0))[0] not in holder_set]
-    return min(roots or holders)

@@ -6,7 +6,7 @@ import json
 import os
 
 from bench.interference import WARN_CORES
-from bench.stats import ratio
+from bench.stats import ms, ratio
 
 # The ceiling a server is compared with is the same work done by the bare model: the batch
 # prefilled in chunks, then decoded ("ceil P+D"). The decode-only rate is shown beside it: no
@@ -72,7 +72,7 @@ def summary_lines(results: dict) -> list[str]:
     if server.get("startup_s") is not None:
         lines.append(f"start-up (process start -> /health 200): {server['startup_s']:.1f} s")
     prefill_ms = (ceiling.get("prefill_one") or {}).get("ms")
-    ttft_ms = _ms(c1.get("ttft_p50_s"))
+    ttft_ms = ms(c1.get("ttft_p50_s"))
     lines.append(f"prefill of one {cfg['prompt_len']}-token prompt (ceiling): {_fmt(prefill_ms)} ms"
                  f" | TTFT p50 at c=1: {_fmt(ttft_ms)} ms ({_times(ttft_ms, prefill_ms)})")
     pairs = server.get("ttft_pairs") or {}
@@ -87,7 +87,7 @@ def summary_lines(results: dict) -> list[str]:
                          f"p50 {pairs['ttft_over_server_forward_ms_p50']:+.1f} ms, p90 "
                          f"{pairs['ttft_over_server_forward_ms_p90']:+.1f} ms")
     forward_ms = ceiling.get("one_token_forward_ms")
-    itl_ms = _ms(c1.get("itl_p50_s"))
+    itl_ms = ms(c1.get("itl_p50_s"))
     lines.append(f"one-token forward at batch 1 (ceiling): {_fmt(forward_ms)} ms"
                  f" | ITL p50 at c=1: {_fmt(itl_ms)} ms ({_times(itl_ms, forward_ms)})")
     for key, batch in (ceiling.get("batches") or {}).items():
@@ -98,15 +98,15 @@ def summary_lines(results: dict) -> list[str]:
     peer = results.get("peer") or {}
     for key, level in (peer.get("levels") or {}).items():
         lines.append(f"{peer.get('name', 'peer')} c={key}: {_fmt(level['output_tok_s'])} tok/s, "
-                     f"TTFT p50 {_fmt(_ms(level['ttft_p50_s']), 0)} ms, ITL p50 "
-                     f"{_fmt(_ms(level['itl_p50_s']))} ms, {level['failed']} failed")
+                     f"TTFT p50 {_fmt(ms(level['ttft_p50_s']), 0)} ms, ITL p50 "
+                     f"{_fmt(ms(level['itl_p50_s']))} ms, {level['failed']} failed")
     for name, part in baseline.items():
         lines.append(f"baseline ({name.replace('_', ' ')}): {part['tok_s']:.1f} tok/s "
                      f"({part['tokens']} tokens in {part['seconds']:.1f} s)")
     for key, level in (server.get("levels") or {}).items():
         if (level.get("tokens_per_chunk") or 1) > 1.05 or not level.get("usage_reported", True):
             lines.append(f"c={key}: {level['tokens_per_chunk']:.2f} tokens per SSE chunk, "
-                         f"TPOT p50 {_fmt(_ms(level['tpot_p50_s']))} ms, usage reported: "
+                         f"TPOT p50 {_fmt(ms(level['tpot_p50_s']))} ms, usage reported: "
                          f"{level['usage_reported']}")
         if level.get("server_metrics"):
             lines.append(_breakdown_line(key, level["server_metrics"]))
@@ -125,7 +125,7 @@ def summary_lines(results: dict) -> list[str]:
 
 def _breakdown_line(key: str, m: dict) -> str:
     idle, share = _fmt(m.get("worker_idle_ms_p50"), 2), _fmt(_pct(m["worker_idle_share"]), 0)
-    queue, prefill = _fmt(_ms(m["queue_s_mean"]), 0), _fmt(_ms(m["prefill_s_mean"]), 0)
+    queue, prefill = _fmt(ms(m["queue_s_mean"]), 0), _fmt(ms(m["prefill_s_mean"]), 0)
     return (f"c={key} server steps: {m['steps']} steps of {m['tokens_per_step']:.1f} tokens, "
             f"one every {m['step_period_ms']:.1f} ms, worker idle {idle} ms/step (median; {share}% "
             f"of wall); per request: queue {queue} ms, prefill {prefill} ms, decode "
@@ -154,8 +154,8 @@ def format_table(rows: list[dict]) -> str:
             _fmt(r["server_over_ceiling"], 2), _fmt(r["ceiling_decode_tok_s"]),
             _fmt(r["server_over_decode_ceiling"], 2), _fmt(r["server_over_sequential_baseline"], 1),
             _fmt(r["peer_tok_s"]), _fmt(r["server_over_peer"], 2), _fmt(r["requests_s"], 2),
-            _fmt(_ms(r["ttft_p50_s"]), 0), _fmt(_ms(r["ttft_p99_s"]), 0),
-            _fmt(_ms(r["itl_p50_s"]), 1), _fmt(_ms(r["itl_p99_s"]), 1),
+            _fmt(ms(r["ttft_p50_s"]), 0), _fmt(ms(r["ttft_p99_s"]), 0),
+            _fmt(ms(r["itl_p50_s"]), 1), _fmt(ms(r["itl_p99_s"]), 1),
             _fmt(r["e2e_p50_s"], 2) + "s", str(r["failed"]),
         ]
         out.append("  ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)))
@@ -230,7 +230,7 @@ def target_lines(results: dict) -> list[str]:
         for stat, prefill_ms, source in (
                 ("p50", (ceiling.get("prefill_one") or {}).get("ms"), "ceiling, median"),
                 ("mean", c1_server.get("prefill_forward_ms_mean"), "server's forward, mean")):
-            ttft_ms = _ms(c1.get(f"ttft_{stat}_s"))
+            ttft_ms = ms(c1.get(f"ttft_{stat}_s"))
             if prefill_ms is not None and ttft_ms is not None:
                 check(ttft_ms - prefill_ms <= TARGET_TTFT_OVER_PREFILL_MS,
                       f"c=1: TTFT {stat} {ttft_ms:.1f} ms - prefill ({source}) "
@@ -239,7 +239,7 @@ def target_lines(results: dict) -> list[str]:
     for stat, forward_ms, source in (
             ("p50", ceiling.get("one_token_forward_ms"), "ceiling, median"),
             ("mean", c1_server.get("decode_forward_ms_mean"), "server's forward, mean")):
-        itl_ms = _ms(c1.get(f"itl_{stat}_s"))
+        itl_ms = ms(c1.get(f"itl_{stat}_s"))
         if forward_ms and itl_ms is not None:
             check(itl_ms / forward_ms <= TARGET_ITL_OVER_FORWARD,
                   f"c=1: ITL {stat} {itl_ms:.1f} ms / one-token forward ({source}) "
@@ -258,10 +258,6 @@ def write_json(results: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
         f.write("\n")
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
 
 
 def _pct(share: float | None) -> float | None:

@@ -5,6 +5,9 @@ Examples:
   python -m bench.run --prompt-len 64 --output-len 16 --concurrency 1 4    # a quick check
   python -m bench.run --url http://127.0.0.1:8000 --skip-ceiling --skip-baseline
   python -m bench.run --peer-url http://127.0.0.1:8100 --peer-name vllm   # loom and a peer
+
+Next to the JSON file it writes a plot of the levels (bench/plot.py; needs matplotlib, the
+`bench` extra): tokens/s and ITL p50 against concurrency, one line per server.
 """
 
 from __future__ import annotations
@@ -17,14 +20,13 @@ import signal
 import sys
 import time
 
+from bench import REPO_DIR, RESULTS_DIR, log, sigterm_as_interrupt
 from bench.clean_runs import CleanRuns
 from bench.endpoint import NotLoopbackError, loopback_base_url, served_model
 from bench.environment import busy_warning, describe_environment
 from bench.interference import InterferenceMonitor
+from bench.plot import write_plot
 from bench.report import render, write_json
-
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS_DIR = os.path.join(REPO_DIR, "bench", "results")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=2,
                    help="measure a ceiling batch, load level or baseline run again (up to this "
                         "many times) when other processes used the CPU meanwhile")
-    p.add_argument("--out", default=None, help="JSON path; default bench/results/<time>.json")
+    p.add_argument("--out", default=None, help="JSON path; default bench/results/<time>.json "
+                   "(the plot goes beside it, as .png)")
     return p
 
 
@@ -94,10 +97,6 @@ def resolve_model_dir(args) -> str:
     from worker.default_model import ensure_default_model
 
     return ensure_default_model()
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def load_ceiling(args, model_dir: str, clean: CleanRuns):
@@ -136,6 +135,7 @@ def run_server_phase(args, model_dir: str | None, log_path: str, record: dict,
     idle meanwhile)."""
     if args.url:
         record.update(url=loopback_base_url(args.url), started_by_bench=False)
+        count_as_work(record["url"], clean)
         drive(args, record, clean, args.model, before_level=_ceiling_batch(ceiling),
               after_level=ceiling.bracket_batch if ceiling is not None else None)
         measure_pairs(args, record, clean, ceiling)
@@ -198,16 +198,22 @@ def _ceiling_batch(ceiling):
     return measure
 
 
-def run_peer_phase(args, record: dict, clean: CleanRuns) -> dict:
+def count_as_work(url: str, clean: CleanRuns) -> int | None:
+    """The process serving `url` (one we did not start: a peer, or --url), whose CPU from now
+    on is the work measured, not interference; its pid, when it can be found."""
     from urllib.parse import urlsplit
 
-    from bench.interference import listening_pid
+    from bench.procs import listening_pid
 
-    record.update(url=loopback_base_url(args.peer_url), name=args.peer_name)
-    port = urlsplit(record["url"]).port or 80
-    pid = listening_pid(port)
+    pid = listening_pid(urlsplit(url).port or 80)
     if pid is not None and clean.monitor is not None:
-        clean.monitor.count_as_ours(pid)  # the peer's CPU is the work, not interference
+        clean.monitor.count_as_ours(pid)
+    return pid
+
+
+def run_peer_phase(args, record: dict, clean: CleanRuns) -> dict:
+    record.update(url=loopback_base_url(args.peer_url), name=args.peer_name)
+    pid = count_as_work(record["url"], clean)
     log(f"{args.peer_name}: driving {record['url']} (pid {pid})")
     drive(args, record, clean, args.peer_model, label=args.peer_name)
     return record
@@ -228,11 +234,6 @@ def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = 
                          before_level=before_level, after_level=after_level))
 
 
-def _sigterm_as_interrupt(signum, frame):
-    # SIGTERM takes the same path as Ctrl-C, so the `with LoomServer` block still stops loom.
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         except NotLoopbackError as exc:
             print(f"bench: error: {exc}", file=sys.stderr)
             return 2
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)  # the `with LoomServer` stops loom
     out = args.out or os.path.join(RESULTS_DIR, time.strftime("%Y%m%d-%H%M%S") + ".json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     env = describe_environment(REPO_DIR)
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(results), flush=True)
     write_json(results, out)
     log(f"bench: wrote {out}")
+    write_plot(results, os.path.splitext(out)[0] + ".png")
     return status or (1 if results.get("errors") else 0)
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 from bench.endpoint import wait_healthy
-from bench.interference import TICKS, _ours, _read_procs
+from bench.procs import TICKS, in_tree, read_procs
 
 
 def free_port() -> int:
@@ -74,9 +74,10 @@ class LoomServer:
 
     def cpu_seconds(self) -> float:
         """CPU time used so far by loom and its children (scheduler, worker)."""
-        procs = _read_procs()
+        procs = read_procs()
         roots = {self.process.pid}
-        return sum(ticks for pid, (_, ticks) in procs.items() if _ours(pid, procs, roots)) / TICKS
+        ours = (ticks for pid, (_, ticks) in procs.items() if in_tree(pid, procs, roots))
+        return sum(ours) / TICKS
 
     def wait_quiet(self, timeout: float = 60.0, window: float = 0.5,
                    max_cores: float = 0.05) -> float:

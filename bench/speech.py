@@ -16,12 +16,11 @@ import os
 import statistics
 import time
 
+from bench import RESULTS_DIR
 from bench.endpoint import http_client, loopback_base_url, served_model
 from bench.prompts import prompt_ids
 from bench.server import LoomServer
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "bench", "results")
 VOICE = "piper-en_US-joe-medium"
 LONG_TEXT = " ".join(
     f"Paragraph {i}: the lighthouse keeper walked along the cliffs at dawn, counting ships, "

@@ -1,4 +1,4 @@
-"""Summary statistics shared by the ceiling, the load generator and the report."""
+"""Summary statistics shared by the ceiling, the load generator, the reports and the plot."""
 
 from __future__ import annotations
 
@@ -21,3 +21,8 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or not denominator:
         return None
     return numerator / denominator
+
+
+def ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds, None staying None."""
+    return None if seconds is None else seconds * 1e3

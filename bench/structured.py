@@ -15,12 +15,10 @@ import json
 import os
 import time
 
+from bench import RESULTS_DIR
 from bench.endpoint import http_client, loopback_base_url, served_model
 from bench.prompts import prompt_ids
 from bench.server import LoomServer
-
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "bench", "results")
 
 SCHEMA = {
     "type": "object",

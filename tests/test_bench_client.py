@@ -1,9 +1,12 @@
 """The load generator's lean HTTP client (bench/http_stream.py) against a real loom server:
-same tokens and usage as httpx sees, errors recorded, connections kept alive."""
+same tokens and usage as httpx sees, errors recorded, connections kept alive. And the harness's
+helpers that need no server: its plot, the /metrics parser, finding a port's process."""
 
 import asyncio
+import json
 
 import httpx
+import pytest
 
 from bench.http_stream import StreamingConnection
 from bench.sse import RequestRecord, completion_body, stream_completion
@@ -95,3 +98,74 @@ def test_ceiling_batch_bracketed_by_a_second_run_is_their_mean(tiny_model_dir):
     assert min(first["prefill_and_decode_tok_s"], second["prefill_and_decode_tok_s"]) \
         <= both["prefill_and_decode_tok_s"] \
         <= max(first["prefill_and_decode_tok_s"], second["prefill_and_decode_tok_s"])
+
+
+def test_plot_draws_a_png_of_the_levels(tmp_path):
+    """bench.plot: a result's levels (loom and a peer) as a PNG beside the JSON."""
+    pytest.importorskip("matplotlib")
+    from bench.plot import main, plot, server_lines
+
+    def levels(tok_s, itl_ms):
+        return {str(c): {"concurrency": c, "output_tok_s": t,
+                         "itl_p50_s": None if i is None else i / 1e3}
+                for c, t, i in zip((1, 4, 16), tok_s, itl_ms)}
+
+    result = {"config": {"model_name": "tiny", "dtype": "float32", "prompt_len": 8,
+                         "output_len": 4},
+              "server": {"levels": levels((30.0, 90.0, 150.0), (25.0, 30.0, None))},
+              "peer": {"name": "vllm", "levels": levels((20.0, 45.0, 70.0), (40.0, 60.0, 130.0))}}
+    lines = server_lines(result)
+    assert [line["label"] for line in lines] == ["loom", "vllm"]
+    assert lines[0]["concurrency"] == [1, 4, 16] and lines[0]["itl_p50_ms"][1] == 30.0
+    path = tmp_path / "result.png"
+    assert plot(result, str(path)) == str(path)
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+    # the command line: a JSON file in, the PNG beside it
+    (tmp_path / "old.json").write_text(json.dumps(result))
+    assert main([str(tmp_path / "old.json")]) == 0
+    assert (tmp_path / "old.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_prometheus_text_parsed_once_two_ways():
+    """bench.server_metrics: one parser for loom's /metrics, read per label set (the soak)
+    or summed with prefill/decode and histogram bounds kept apart (the load levels)."""
+    from bench.server_metrics import by_label, parse_prometheus, parse_series, series_total
+
+    text = "\n".join([
+        "# HELP loom:http_requests_total requests",
+        'loom:http_requests_total{path="/v1/completions",status="200"} 7.0',
+        'loom:http_requests_total{path="/v1/completions",status="400"} 1.0',
+        'loom:http_requests_total{path="/v1/chat",status="200"} 2.0',
+        'loom:model_forward_time_seconds_sum{step="prefill"} 0.5',
+        'loom:model_forward_time_seconds_sum{step="decode"} 1.5',
+        'loom:step_overhead_seconds_bucket{le="0.001"} 3.0',
+        'loom:step_overhead_seconds_bucket{le="+Inf"} 4.0',
+        "loom:kv_cache_usage_perc 0.25",
+        "process_cpu_seconds_total 12.0",
+    ])
+    series = parse_series(text)
+    assert series_total(series, "loom:http_requests_total") == 10.0
+    assert by_label(series, "loom:http_requests_total", "status") == {"200": 9.0, "400": 1.0}
+    assert series_total(series, "loom:kv_cache_usage_perc") == 0.25
+    assert "process_cpu_seconds_total" not in series
+    flat = parse_prometheus(text)
+    assert flat["loom:http_requests_total"] == 10.0
+    assert flat["loom:model_forward_time_seconds_sum:prefill"] == 0.5
+    assert flat["loom:model_forward_time_seconds_sum:decode"] == 1.5
+    assert flat["loom:step_overhead_seconds_bucket|+Inf"] == 4.0
+
+
+def test_listening_pid_finds_this_process():
+    """bench.procs.listening_pid: the process listening on a port (a peer, a --url server)."""
+    import os
+    import socket
+
+    from bench.procs import listening_pid
+
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs /proc")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert listening_pid(sock.getsockname()[1]) == os.getpid()

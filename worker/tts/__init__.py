@@ -28,7 +28,7 @@ The extra needs exactly:
 (numpy is already a core dependency.) Pin piper-tts: phonemize.py uses its internal
 espeakbridge module, which has no stability promise.
 
-Measured (python -m worker.tts.bench; 2 cores, both also busy with other PyTorch
+Measured (python -m bench.voice; 2 cores, both also busy with other PyTorch
 processes, so a quiet machine does better): load 1.7-2.0 s, RSS ≈200 MiB after load,
 ≈500 MiB once a 400-symbol segment has run (onnxruntime's arena keeps its peak).
 A 1,032-character text (58 s of audio, 15 segments): first segment's audio after

@@ -1,6 +1,7 @@
-"""Measure the voice: load time, memory, first-segment latency vs total time for a
-~1,000-character text, real-time factor, batched vs unbatched throughput, and the
-effect of ORT thread settings. Run: ``python -m worker.tts.bench [--threads 1 2]``.
+"""`python -m bench.voice`: the Piper voice in this process, without a server (the `tts`
+extra). Load time, memory, first-segment latency vs total time for a ~1,000-character text,
+real-time factor, batched vs unbatched throughput, and the effect of ORT thread settings.
+`python -m bench.speech` measures the same voice through `loom serve`.
 
 Wall time is what a client sees; CPU time shows what busy-waiting costs the other
 processes on the machine (with spinning on, CPU time exceeds the useful work).
@@ -94,7 +95,7 @@ def run(threads: int, spinning: bool, batch_sizes: Sequence[int]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.voice", description=__doc__)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--spinning", choices=["off", "on", "both"], default="both")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4])
