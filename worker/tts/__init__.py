@@ -28,15 +28,10 @@ The extra needs exactly:
 (numpy is already a core dependency.) Pin piper-tts: phonemize.py uses its internal
 espeakbridge module, which has no stability promise.
 
-Measured (python -m bench.voice; 2 cores, both also busy with other PyTorch
-processes, so a quiet machine does better): load 1.7-2.0 s, RSS ≈200 MiB after load,
-≈500 MiB once a 400-symbol segment has run (onnxruntime's arena keeps its peak).
-A 1,032-character text (58 s of audio, 15 segments): first segment's audio after
-0.23-0.31 s, all of it after 5.8-6.1 s, real-time factor ≈0.10 (piper-tts's own API
-with its default session options: first audio 2.2 s, RTF 0.18). Batching did not
-raise throughput (batch 1/2/4: 9.6/8.7/8.0 s of audio per second), so segments are
-synthesized one by one. One intra-op thread without spinning is the default: two
-threads with spinning (onnxruntime's default) nearly doubled wall time under load.
+Two choices rest on measurements (python -m bench.voice, 2 cores): segments are
+synthesized one by one, since batching them did not raise throughput (batch 1/2/4: 9.6/8.7/8.0
+s of audio per second); and onnxruntime runs one intra-op thread without spinning, since two
+spinning threads (its default) nearly doubled wall time while the LLM worker was busy.
 """
 
 from __future__ import annotations
