@@ -28,3 +28,29 @@ def test_next_token_matches_transformers_and_release_frees(tiny_model_dir):
         assert got == hf_greedy(hf, tok, c.prompt_tokens.tolist(), 8) == c.generated_tokens.tolist()
         pipeline.release(c)
     assert pipeline.blocks.num_free_blocks == pipeline.blocks.num_blocks
+
+
+def test_chunked_prefill_and_a_context_left_out(tiny_model_dir):
+    # The pipeline runs the server's scheduler: a 5-token budget splits the prompt over
+    # steps that return nothing for it, and a context still running must be in every batch.
+    import pytest
+
+    pipeline = TextGenerationPipeline(RunnerConfig(tiny_model_dir, kv_cache_memory=4 << 20),
+                                      max_num_batched_tokens=5)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = tok.encode("A prompt long enough to need several chunks of five tokens each, at least")
+    assert len(ids) > 10
+    a = TextContext(max_length=len(ids) + 4, tokens=np.array(ids), sampling_params=SamplingParams())
+    b = TextContext(max_length=len(ids) + 4, tokens=np.array(ids), sampling_params=SamplingParams())
+    steps = pipeline.next_token({a.request_id: a}, num_steps=40)
+    assert steps[0] == {}  # the first chunk samples nothing
+    got = [s[a.request_id].next_token for s in steps if a.request_id in s]
+    assert got == hf_greedy(hf, tok, ids, 4) and a.is_done
+    pipeline.next_token({b.request_id: b}, num_steps=1)
+    with pytest.raises(ValueError, match="still generating"):
+        pipeline.next_token({}, num_steps=1)
+    pipeline.release(b)
+    assert pipeline.next_token({}, num_steps=1) == []
+    assert pipeline.blocks.num_free_blocks == pipeline.blocks.num_blocks
+    assert pipeline.runner.requests == {}
