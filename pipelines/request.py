@@ -1,4 +1,4 @@
-"""What the API process builds from an HTTP request before tokenizing it (seeds' names)."""
+"""What the API process builds from an HTTP request before tokenizing it (max.pipelines' names)."""
 
 from __future__ import annotations
 

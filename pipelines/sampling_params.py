@@ -6,7 +6,7 @@ import msgspec
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Request-specific sampling parameters, with the seeds' names, defaults and meanings.
+    """Request-specific sampling parameters, with the names, defaults and meanings of max.pipelines.
 
     `top_k=1` (the default) is greedy decoding; `top_k<=0` disables the top-k filter.
     `temperature=0` is also greedy.

@@ -3,7 +3,7 @@
 The API process turns the text into phoneme-id segments (sentences, the first one short so the
 first audio comes quickly); the scheduler hands the worker one segment at a time, interleaved
 with text generation; each segment's audio streams back as soon as it is made. The fields keep
-the seeds' names where they apply (`streaming`, `decoded_index`, `audio_generation_status`).
+MAX's names (max.pipelines) where they apply (`streaming`, `decoded_index`, `audio_generation_status`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def build_step_batch(
     finished_request_ids: list[str],
 ) -> StepBatch:
     """Each context feeds its next `num_new_tokens[i]` tokens; its active window is set to
-    them (the seeds' `next_tokens`), and it samples only if that reaches its last token."""
+    them (max.pipelines' `next_tokens`), and it samples only if that reaches its last token."""
     count = len(contexts)
     query_lens = np.empty(count, dtype=np.int32)
     seq_lens = np.empty(count, dtype=np.int32)

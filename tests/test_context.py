@@ -1,4 +1,4 @@
-"""TextContext's token-array layout and lifecycle, as the seeds define it."""
+"""TextContext's token-array layout and lifecycle, as max.pipelines defines it."""
 
 import numpy as np
 

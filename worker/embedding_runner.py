@@ -1,4 +1,4 @@
-"""EmbeddingRunner: the EmbeddingsGenerator of the seeds, on Loom's own BERT encoder.
+"""EmbeddingRunner: MAX's EmbeddingsGenerator (max.pipelines), on Loom's own BERT encoder.
 
 `encode` takes a batch of tokenized inputs and returns one vector per input, computed in a
 single padded forward pass (inputs are sorted by length first so little is padding).
