@@ -24,12 +24,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def loom_command(port: int, dtype: str, model_dir: str | None, extra: list[str]) -> list[str]:
+def loom_command(port: int, dtype: str | None, model_dir: str | None, extra: list[str]) -> list[str]:
     # The console script next to this interpreter is the `loom` a user runs; fall back to the
     # module when the package was not installed with its scripts.
     script = os.path.join(os.path.dirname(sys.executable), "loom")
     base = [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "api_server.cli"]
-    cmd = base + ["serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+    cmd = base + ["serve", "--host", "127.0.0.1", "--port", str(port)]
+    if dtype:  # None: the model's own weights (the default model's GGUF blocks)
+        cmd += ["--dtype", dtype]
     if model_dir:
         cmd += ["--model", model_dir]
     return cmd + extra
@@ -38,11 +40,14 @@ def loom_command(port: int, dtype: str, model_dir: str | None, extra: list[str])
 class LoomServer:
     """`with LoomServer(...) as server:` starts loom, waits for /health, stops it on exit."""
 
-    def __init__(self, dtype: str, model_dir: str | None, extra_args: list[str], log_path: str,
-                 startup_timeout: float = 300.0, stop_timeout: float = 20.0) -> None:
+    def __init__(self, dtype: str | None, model_dir: str | None, extra_args: list[str], log_path: str,
+                 startup_timeout: float = 300.0, stop_timeout: float = 20.0,
+                 cpus: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = loom_command(self.port, dtype, model_dir, extra_args)
+        if cpus is not None:  # a replica on its share of the cores (taskset's list syntax)
+            self.command = ["taskset", "-c", cpus] + self.command
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout

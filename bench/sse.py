@@ -58,7 +58,7 @@ class RequestRecord:
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.tokens - 1)
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+def completion_body(model: str, prompt: list[int] | str, max_tokens: int) -> dict:
     return {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
