@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse KV blocks of shared prompt prefixes")
+    s.add_argument("--kv-events-endpoint", default=None,
+                   help="publish the prefix cache's KV events (blocks stored, removed) in "
+                        "vLLM's format on a ZeroMQ PUB socket, for KV-aware routers: "
+                        "tcp://*:5557 or ipc://PATH binds, tcp://HOST:PORT connects to a "
+                        "subscriber that binds (vLLM's rule). The events carry prompt token "
+                        "ids: keep the endpoint on a private network")
+    s.add_argument("--kv-events-topic", default="",
+                   help="ZeroMQ topic of the KV events (llm-d's indexer expects "
+                        "kv@POD_IP@MODEL)")
     s.add_argument("--num-threads", type=int, default=None,
                    help="torch threads in the worker; default: all cores")
     s.add_argument("--no-cpu-placement", action="store_true",
@@ -123,12 +132,14 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                  "max_sequences_per_request"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
+    check_kv_events(args)
     return ServeConfig(
         model_dir=model_dir, served_model_name=name, host=args.host, port=args.port,
         dtype=dtype, quantization=quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
+        kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
         cpu_placement=not args.no_cpu_placement,
         log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
         request_timeout=args.request_timeout, step_timeout=args.step_timeout,
@@ -142,6 +153,18 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         speech_noise=not args.deterministic_speech,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
+
+
+def check_kv_events(args: argparse.Namespace) -> None:
+    endpoint = args.kv_events_endpoint
+    if endpoint is None:
+        return
+    if not re.match(r"^(tcp|ipc)://.", endpoint):
+        raise StartupError(f"--kv-events-endpoint {endpoint}: not tcp://HOST:PORT, "
+                           f"tcp://*:PORT or ipc://PATH")
+    if args.no_prefix_caching:
+        raise StartupError("--kv-events-endpoint publishes the prefix cache's blocks: "
+                           "it needs prefix caching (drop --no-prefix-caching)")
 
 
 def _model_name(path: str) -> str:

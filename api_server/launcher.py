@@ -60,6 +60,8 @@ class ServeConfig:
     kv_cache_memory: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
     num_threads: int | None = None
     cpu_placement: bool = True
     log_level: str = "info"
@@ -178,6 +180,7 @@ class Launcher:
         sched_cfg = SchedulerProcessConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching, log_level=cfg.log_level,
+            kv_events_endpoint=cfg.kv_events_endpoint, kv_events_topic=cfg.kv_events_topic,
         )
         placement = CpuPlacement.plan(threads) if cfg.cpu_placement else None
         self.children = [
@@ -286,6 +289,7 @@ class Launcher:
         try:
             await self._wait_ready(engine, watcher)
             speech.voices, speech.sample_rate = engine.ready.voices, engine.ready.sample_rate
+            metrics.observe_cache_config(engine.ready.block_size, engine.ready.num_blocks)
             tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]
             logger.info("IPC sockets in %s", self.ipc_dir)

@@ -1,4 +1,5 @@
-"""Prometheus metrics, with vLLM's names under a `loom:` prefix and a `model_name` label.
+"""Prometheus metrics, with vLLM's names under a `loom:` prefix and a `model_name` label; the
+few the Gateway API Inference Extension's model-server protocol reads also under vLLM's own.
 
 Where each number comes from:
 - per-request latencies (TTFT, inter-token, end-to-end) are measured in this process, when the
@@ -85,6 +86,7 @@ class Metrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self._init_inference_gateway_metrics()
         self._totals = {
             "num_preemptions_total": counter("num_preemptions", "Preemptions of running requests."),
             "prompt_tokens_total": counter("prompt_tokens", "Prompt tokens prefilled."),
@@ -126,11 +128,46 @@ class Metrics:
         self._malformed_seen: dict[str, int] = {}
         self._last = SchedulerStats()
 
+    def _init_inference_gateway_metrics(self) -> None:
+        """The names the Gateway API Inference Extension's model-server protocol documents for
+        vLLM: its endpoint pickers (llm-d, production-stack, GKE's gateway) scrape them to
+        place each request, so they schedule on loom with no per-server configuration."""
+        reg, name = self.registry, self.model_name
+
+        def gauge(metric, doc, labels=()):
+            return Gauge(f"vllm:{metric}", doc, ["model_name", *labels], registry=reg)
+
+        self.vllm_num_requests_running = gauge(
+            "num_requests_running", "Requests in the running batch.").labels(name)
+        self.vllm_num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled.").labels(name)
+        kv_doc = "Fraction of KV cache blocks in use (0-1)"
+        self.vllm_kv_cache_usage = (
+            gauge("kv_cache_usage_perc", kv_doc + ".").labels(name),
+            gauge("gpu_cache_usage_perc", kv_doc + "; the name before "
+                  "vllm:kv_cache_usage_perc, still read by older pickers.").labels(name),
+        )
+        # Loom serves no LoRA adapters: no adapter is loaded or waited for, and none fits.
+        lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        self.vllm_lora_info = gauge(
+            "lora_requests_info", "LoRA adapters running and waiting; the value is when it was "
+            "last updated (Unix time).", lora_labels).labels(name, "0", "", "")
+        self._cache_config = gauge(
+            "cache_config_info", "The KV cache's configuration, in the labels (value 1).",
+            ["block_size", "num_gpu_blocks"])
+
+    def observe_cache_config(self, block_size: int, num_blocks: int) -> None:
+        """Prefix-cache scorers size their model of this replica's cache from these."""
+        self._cache_config.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
+
     # ---- scheduler stats ----------------------------------------------------------------------
     def observe_scheduler(self, stats: SchedulerStats) -> None:
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        for gauge in (self.num_requests_running, self.vllm_num_requests_running):
+            gauge.set(stats.num_running)
+        for gauge in (self.num_requests_waiting, self.vllm_num_requests_waiting):
+            gauge.set(stats.num_waiting)
+        for gauge in (self.kv_cache_usage_perc, *self.vllm_kv_cache_usage):
+            gauge.set(stats.kv_cache_usage)
         for field, counter in self._totals.items():
             delta = getattr(stats, field) - getattr(self._last, field)
             if delta > 0:
@@ -219,4 +256,6 @@ class Metrics:
 
     async def endpoint(self, request: Request) -> Response:
         self._sync_malformed_frames()
+        # Nothing about LoRA ever changes here: the info is current whenever it is read.
+        self.vllm_lora_info.set(time.time())
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

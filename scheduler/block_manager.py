@@ -3,14 +3,24 @@ prefix cache of full blocks keyed by a hash chained over the tokens (vLLM's sche
 
 A block whose last reference goes away returns to the free queue but keeps its hash: until it is
 handed out again (least recently freed first), a later request with the same prefix reuses it.
+
+With `record_kv_events`, blocks entering and leaving the cache are recorded as vLLM's KV cache
+events (scheduler/kv_events.py) for the scheduler process to publish once per step.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import groupby
 
 import numpy as np
+
+from scheduler.kv_events import MEDIUM, BlockRemoved, BlockStored, KVCacheEvent, external_hash
+
+# The parent of a prompt's first block. A constant, not None: hash(None) differs from process
+# to process before Python 3.12, and replicas should name the same prefix by the same hash.
+ROOT_HASH = 0
 
 
 @dataclass
@@ -22,7 +32,8 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_kv_events: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -35,6 +46,8 @@ class BlockManager:
         # Counters for metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Cache changes since the last take_kv_events(); None: not recorded (no cost).
+        self.kv_events: list[KVCacheEvent] | None = [] if record_kv_events else None
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -59,7 +72,7 @@ class BlockManager:
         full_blocks = (len(tokens) - 1) // self.block_size
         self.prefix_queries += len(tokens)
         found: list[int] = []
-        parent: int | None = None
+        parent = ROOT_HASH
         for i in range(full_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size].tolist())
             h = hash((parent, chunk))
@@ -79,16 +92,37 @@ class BlockManager:
         hashes = self.block_hashes.setdefault(request_id, [])
         done = self.hashed_blocks.get(request_id, 0)
         full = min(num_computed // self.block_size, len(table))
+        stored: list[int] = []
         for i in range(done, full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size].tolist())
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else ROOT_HASH
             h = hash((parent, chunk))
             hashes.append(h)
             block = self.blocks[table[i]]
             if block.hash is None and h not in self.cached:
                 block.hash, block.tokens = h, chunk
                 self.cached[h] = block.block_id
+                stored.append(i)
         self.hashed_blocks[request_id] = max(done, full)
+        if stored and self.kv_events is not None:
+            self._record_stored(hashes, tokens, stored)
+
+    def _record_stored(self, hashes: list[int], tokens: np.ndarray, stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks (a block whose hash another block
+        already holds is not stored again, and splits the run)."""
+        size = self.block_size
+        for _, run in groupby(enumerate(stored), lambda pair: pair[1] - pair[0]):
+            indices = [i for _, i in run]
+            first, end = indices[0], indices[-1] + 1
+            self.kv_events.append(BlockStored(
+                block_hashes=[external_hash(hashes[i]) for i in indices],
+                parent_block_hash=external_hash(hashes[first - 1]) if first else None,
+                token_ids=tokens[first * size : end * size].tolist(),
+                block_size=size, lora_id=None, medium=MEDIUM))
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        events, self.kv_events = self.kv_events, []
+        return events
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[int] = ()) -> bool:
@@ -142,4 +176,7 @@ class BlockManager:
         if block.hash is not None:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.kv_events is not None:
+                    self.kv_events.append(BlockRemoved(
+                        block_hashes=[external_hash(block.hash)], medium=MEDIUM))
             block.hash, block.tokens = None, ()

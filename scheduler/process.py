@@ -33,6 +33,7 @@ from pipelines.lifecycle import (
 from pipelines.tts_context import TTSContext
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
+from scheduler.kv_events import AllBlocksCleared, KVEventPublisher
 from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from scheduler.speech_queue import SpeechQueue
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
@@ -72,6 +73,8 @@ class SchedulerProcessConfig:
     enable_prefix_caching: bool = True
     log_level: str = "info"
     max_embedding_batch_tokens: int = 8192  # padded tokens per embeddings forward
+    kv_events_endpoint: str | None = None  # publish KV cache events there (off: None)
+    kv_events_topic: str = ""
 
 
 class SchedulerLoop:
@@ -94,6 +97,7 @@ class SchedulerLoop:
         for sock in (self.requests, self.cancel, self.results):
             self.poller.register(sock, zmq.POLLIN)
         self.scheduler: Scheduler | None = None
+        self.kv_publisher: KVEventPublisher | None = None
         self.embedder: EmbeddingBatcher | None = None  # when the worker serves embeddings
         self.speech = SpeechQueue()
         self.voices: list[str] = []
@@ -112,6 +116,20 @@ class SchedulerLoop:
         self._decode_forward_times: list[float] = []
 
     # ---- start-up ---------------------------------------------------------------------------
+    def open_kv_events(self) -> bool:
+        """Bind or connect the KV events socket (while the worker loads, so subscribers are
+        connected by the first event); False, reported to the API process, if it can't."""
+        endpoint = self.cfg.kv_events_endpoint
+        if endpoint is None:
+            return True
+        try:
+            self.kv_publisher = KVEventPublisher(self.zctx, endpoint, self.cfg.kv_events_topic)
+        except zmq.ZMQError as exc:
+            self.responses.send(self.encode(SchedulerFailed(
+                message=f"--kv-events-endpoint {endpoint}: {exc}")))
+            return False
+        return True
+
     def wait_for_worker(self) -> WorkerReady | None:
         while True:
             if not self.results.poll(1000):
@@ -131,7 +149,11 @@ class SchedulerLoop:
             self.embedder = EmbeddingBatcher(self.cfg.max_embedding_batch_tokens,
                                              self.cfg.max_num_seqs)
         blocks = BlockManager(max(1, ready.num_blocks), max(1, ready.block_size),
-                              self.cfg.enable_prefix_caching)
+                              self.cfg.enable_prefix_caching,
+                              record_kv_events=self.kv_publisher is not None)
+        if self.kv_publisher is not None:
+            # A subscriber may still hold blocks of this endpoint's previous process.
+            self.kv_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.cfg.max_num_seqs,
@@ -355,6 +377,9 @@ class SchedulerLoop:
         if outputs or stats != self._last_stats:
             self.responses.send(self.encode(ResponseBatch(outputs=outputs, stats=stats)))
             self._last_stats = stats
+        # The step's changes to the prefix cache, in one message (as vLLM batches them).
+        if self.kv_publisher is not None and self.scheduler.blocks.kv_events:
+            self.kv_publisher.publish(self.scheduler.blocks.take_kv_events())
 
     def close(self, linger_ms: int = 0) -> None:
         try:
@@ -386,8 +411,8 @@ def run_scheduler(cfg: SchedulerProcessConfig, endpoints: Endpoints,
     if placement is not None:
         placement.enter_service()
     loop = SchedulerLoop(cfg, endpoints)
-    ready = loop.wait_for_worker()
-    if ready is None:
+    ready = loop.open_kv_events() and loop.wait_for_worker()
+    if not ready:
         loop.close(linger_ms=1000)  # let SchedulerFailed reach the API process
         sys.exit(1)
     loop.start(ready)

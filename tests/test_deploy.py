@@ -1,8 +1,10 @@
 """The deployment files are valid and locked down: Prometheus config and rules (promtool); a
 Kubernetes Deployment probing /health and /live, running unprivileged on a read-only root, with
-a required API key; a two-stage Dockerfile whose final image has prebuilt kernels and no
-compiler, on a base image pinned by digest."""
+a required API key; replicas behind the SGLang router (found by their label, read-only RBAC,
+flags the router parses) scaled on their queue; a two-stage Dockerfile whose final image has
+prebuilt kernels and no compiler, on a base image pinned by digest."""
 
+import glob
 import os
 import re
 import shutil
@@ -26,6 +28,13 @@ def test_prometheus_files_pass_promtool():
 
 
 MANIFEST = os.path.join(DEPLOY, "kubernetes", "loom.yaml")
+MANIFESTS = sorted(glob.glob(os.path.join(DEPLOY, "kubernetes", "*.yaml")))
+
+
+def resources(name: str) -> dict[tuple[str, str], dict]:
+    """A manifest's resources by (kind, name)."""
+    with open(os.path.join(DEPLOY, "kubernetes", name)) as f:
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(f) if d}
 
 
 def deployment_pod():
@@ -89,12 +98,92 @@ def test_kubernetes_api_key_secret_is_required():
     assert "--allow-unauthenticated" not in container.get("args", [])
 
 
-def test_kubernetes_manifest_validates_against_the_api_schema():
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=os.path.basename)
+def test_kubernetes_manifest_validates_against_the_api_schema(manifest):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     del kubernetes_validate
-    result = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", MANIFEST],
+    result = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", manifest],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def router_container():
+    router = resources("router.yaml")[("Deployment", "loom-router")]
+    pod = router["spec"]["template"]
+    return pod, pod["spec"]["containers"][0]
+
+
+def router_args() -> list[str]:
+    """The router's arguments as the kubelet passes them (its $(VAR)s expanded)."""
+    _, container = router_container()
+    values = {"POD_NAMESPACE": "inference", "LOOM_API_KEY": "key"}
+    return [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in container["args"]]
+
+
+def test_router_discovers_the_loom_pods():
+    launch_router = pytest.importorskip("sglang_router.launch_router")
+    args = launch_router.parse_router_args(router_args())
+    args._validate_router_args()
+    _, loom = deployment_pod()
+    loom_deployment = resources("loom.yaml")[("Deployment", "loom")]
+    loom_labels = loom_deployment["spec"]["template"]["metadata"]["labels"]
+    router_pod, container = router_container()
+    assert args.service_discovery and args.policy == "cache_aware"
+    assert args.selector.items() <= loom_labels.items()  # finds the replicas...
+    assert not args.selector.items() <= router_pod["metadata"]["labels"].items()  # ...not itself
+    assert args.service_discovery_port == loom["ports"][0]["containerPort"]
+    # Its own namespace (a Role is enough), from the downward API; the API key from loom's secret.
+    env = {e["name"]: e["valueFrom"] for e in container["env"]}
+    assert args.service_discovery_namespace == "inference"
+    assert env["POD_NAMESPACE"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["LOOM_API_KEY"]["secretKeyRef"]["name"] == "loom" and args.api_key == "key"
+    assert args.health_check_endpoint == loom["readinessProbe"]["httpGet"]["path"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    # Loopback-only defaults would make it unreachable in a pod; its ports are the ones named.
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (args.host, args.port) == ("0.0.0.0", ports["http"])
+    assert args.prometheus_port == ports["metrics"]
+    headless = resources("router.yaml")[("Service", "loom-replicas")]["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"].items() <= loom_labels.items()
+
+
+def test_router_may_only_read_pods():
+    res = resources("router.yaml")
+    pod, container = router_container()
+    account = pod["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in res
+    (rule,) = res[("Role", account)]["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    binding = res[("RoleBinding", account)]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": account}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    ctx = container["securityContext"]
+    assert ctx["runAsNonRoot"] and ctx["readOnlyRootFilesystem"]
+    assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"]
+
+
+def test_autoscaler_reads_loom_queue_through_the_adapter():
+    from api_server.metrics import Metrics
+
+    res = resources("autoscaling.yaml")
+    hpa = res[("HorizontalPodAutoscaler", "loom")]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                     "name": "loom"}
+    assert ("Deployment", "loom") in resources("loom.yaml")
+    # The HPA owns the count: the Deployment must not reset it at every apply.
+    assert "replicas" not in resources("loom.yaml")[("Deployment", "loom")]["spec"]
+    assert 2 <= hpa["minReplicas"] < hpa["maxReplicas"]
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "Pods"
+    adapter = res[("ConfigMap", "prometheus-adapter-loom")]["data"]["config.yaml"]
+    (rule,) = yaml.safe_load(adapter)["rules"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
+    series = re.match(r"^([\w:]+)\{", rule["seriesQuery"]).group(1)
+    assert re.fullmatch(rule["name"]["matches"], series)
+    names = {m.name for m in Metrics("m").registry.collect()}
+    assert series == "loom:num_requests_waiting" and series in names
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
 
 
 def test_dockerfile_copies_existing_paths():

@@ -1,6 +1,8 @@
 """/metrics after real traffic: the names, labels and values a Prometheus user relies on."""
 
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -72,3 +74,45 @@ def test_stop_string_counts_as_stop(server):
     after = sample(httpx.get(server.url + "/metrics").text, "loom:request_success_total",
                    finished_reason="stop", model_name="tiny")
     assert after == before + 1
+
+
+# The Gateway API Inference Extension's model-server protocol: the vLLM names endpoint pickers
+# scrape, each the twin of a loom gauge.
+VLLM_TWINS = {
+    "vllm:num_requests_running": "loom:num_requests_running",
+    "vllm:num_requests_waiting": "loom:num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "loom:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc": "loom:kv_cache_usage_perc",
+}
+
+
+def test_inference_gateway_metrics_track_loom_values(server):
+    m = {"model_name": "tiny"}
+    body = {"prompt": "hello", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        done = [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
+                for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while True:  # a scrape while the requests run
+            busy = httpx.get(server.url + "/metrics").text
+            if sample(busy, "loom:num_requests_running", **m) > 0:
+                break
+            assert time.monotonic() < deadline, "the requests never showed as running"
+            time.sleep(0.01)
+        assert all(f.result().status_code == 200 for f in done)
+    idle = httpx.get(server.url + "/metrics").text
+    for text in (busy, idle):
+        for vllm, loom in VLLM_TWINS.items():
+            assert sample(text, vllm, **m) == sample(text, loom, **m), (vllm, text)
+    assert sample(busy, "vllm:num_requests_running", **m) > 0
+    assert sample(busy, "vllm:kv_cache_usage_perc", **m) > 0
+    assert sample(idle, "vllm:num_requests_running", **m) == 0
+    assert sample(idle, "vllm:kv_cache_usage_perc", **m) == 0
+    # No LoRA: nothing running or waiting, none can be loaded; the value is a fresh timestamp.
+    lora = sample(idle, "vllm:lora_requests_info", max_lora="0", running_lora_adapters="",
+                  waiting_lora_adapters="", **m)
+    assert abs(lora - time.time()) < 60
+    config = re.search(r'^vllm:cache_config_info\{([^}]*)\} 1\.0$', idle, re.M).group(1)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', config))
+    assert labels["block_size"] == "16" and int(labels["num_gpu_blocks"]) > 0
+    assert labels["model_name"] == "tiny"
