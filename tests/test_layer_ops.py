@@ -69,3 +69,12 @@ def test_silu_mul(rows):
     gate_up = torch.randn(rows, 2 * 1536) * 4
     gate, up = gate_up.split(1536, -1)
     torch.testing.assert_close(layer_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gelu_tanh_mul(rows):
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 2048) * 4
+    gate, up = gate_up.split(2048, -1)
+    torch.testing.assert_close(layer_ops.gelu_tanh_mul(gate_up),
+                               F.gelu(gate, approximate="tanh") * up)

@@ -22,6 +22,7 @@ if _lib is not None:
         "loom_rope_store_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
         "loom_rope_store_kv_bf16": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P],
         "loom_silu_mul": [_P, _P, _I, _I],
+        "loom_gelu_tanh_mul": [_P, _P, _I, _I],
     }.items():
         getattr(_lib, _name).restype = None
         getattr(_lib, _name).argtypes = _args
@@ -70,4 +71,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=torch.float32)
     _lib.loom_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up rows [gate | up] (Gemma's MLP)."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    _lib.loom_gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
     return out

@@ -102,3 +102,18 @@ void loom_silu_mul(const float *gate_up, float *out, int rows, int inter) {
         for (int i = 0; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }
+
+/* out = gelu_tanh(gate) * up (Gemma's MLP), gate_up rows [gate | up] of `inter` each:
+   0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as torch's gelu(approximate="tanh"). */
+void loom_gelu_tanh_mul(const float *gate_up, float *out, int rows, int inter) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+#pragma omp parallel for if ((int64_t)rows * inter >= PARALLEL_MIN)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
+        float *o = out + (int64_t)r * inter;
+        for (int i = 0; i < inter; i++) {
+            float x = g[i];
+            o[i] = 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x))) * u[i];
+        }
+    }
+}
