@@ -7,6 +7,7 @@ import os
 import re
 import sys
 
+from api_server.image_inputs import MediaLimits
 from api_server.launcher import ServeConfig, StartupError, serve
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -105,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the chat template uses the tags")
     s.add_argument("--max-request-bytes", type=parse_size, default=16 << 20,
                    help="largest request body accepted (413 beyond)")
+    s.add_argument("--limit-mm-per-prompt", default="4",
+                   help="most images one request of a vision model may hold (400 beyond): N, "
+                        "image=N or vLLM's JSON {\"image\": N}")
+    s.add_argument("--allowed-local-media-path", default=None,
+                   help="let requests name images as file:// URLs inside this directory "
+                        "(symlinks resolved first); without it file:// URLs get 400")
+    s.add_argument("--max-image-bytes", type=parse_size, default=20_000_000,
+                   help="largest image file a request may send (after base64 decoding)")
+    s.add_argument("--max-image-pixels", type=int, default=40_000_000,
+                   help="most pixels an image may have (checked before it is decoded)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health and "
                         "/metrics; the LOOM_API_KEY environment variable also sets it")
@@ -152,7 +163,34 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         task=resolve_task(args.task, model_dir), speech=not args.no_speech,
         speech_noise=not args.deterministic_speech,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        media_limits=media_limits_from_args(args),
     )
+
+
+def media_limits_from_args(args: argparse.Namespace) -> MediaLimits:
+    """The image limits of the vision models' requests (api_server/image_inputs.py)."""
+    import json
+
+    text = args.limit_mm_per_prompt.strip()
+    try:
+        if text.startswith("{"):
+            limit = json.loads(text).get("image", 4)
+        else:
+            limit = text.removeprefix("image=")
+        limit = int(limit)
+    except (ValueError, TypeError, AttributeError):
+        raise StartupError(f"--limit-mm-per-prompt {text}: not N, image=N or "
+                           f"{{\"image\": N}}") from None
+    if limit < 0 or args.max_image_bytes < 1 or args.max_image_pixels < 1:
+        raise StartupError("--limit-mm-per-prompt must be >= 0, --max-image-bytes and "
+                           "--max-image-pixels positive")
+    path = args.allowed_local_media_path
+    if path is not None:
+        path = os.path.abspath(os.path.expanduser(path))
+        if not os.path.isdir(path):
+            raise StartupError(f"--allowed-local-media-path {path}: no such directory")
+    return MediaLimits(max_images=limit, max_image_bytes=args.max_image_bytes,
+                       max_image_pixels=args.max_image_pixels, allowed_local_media_path=path)
 
 
 def check_kv_events(args: argparse.Namespace) -> None:

@@ -25,6 +25,7 @@ import uvicorn
 from api_server.app import build_app
 from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient, EngineDeadError
+from api_server.image_inputs import MediaLimits
 from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
 from api_server.server_state import AdmissionLimits, ServerState
@@ -81,6 +82,7 @@ class ServeConfig:
     speech_noise: bool = True
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    media_limits: MediaLimits = MediaLimits()  # a vision model's image limits
 
 
 def check_exposure(cfg: ServeConfig) -> None:
@@ -258,7 +260,8 @@ class Launcher:
             model_config = load_model_config(cfg.model_dir)
             max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
             eos = model_config.eos_token_ids
-        tokenizer = TextTokenizer(cfg.tokenizer_dir or cfg.model_dir, max_model_len, eos)
+        tokenizer = TextTokenizer(cfg.tokenizer_dir or cfg.model_dir, max_model_len, eos,
+                                  cfg.media_limits)
         tokenizer.warm_up()
         _import_streaming_backend()
         state = ServerState(engine, AdmissionLimits(

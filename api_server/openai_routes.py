@@ -97,9 +97,13 @@ class OpenAIRoutes:
 
     # ---- /v1/models -------------------------------------------------------------------------
     def model_card(self) -> dict:
+        # input_modalities: what the model reads (the name transformers' models and
+        # OpenRouter's model list use), so clients can tell a vision model from a text one.
+        takes_images = getattr(self.tokenizer, "takes_images", False)
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "loom", "root": self.model_name, "parent": None,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len,
+                "input_modalities": ["text", "image"] if takes_images else ["text"]}
 
     extra_model_cards = staticmethod(lambda created: [])  # set by the app: the voices
 

@@ -2,6 +2,11 @@
 
 `new_context` renders chat messages with the checkpoint's chat template, tokenizes, checks the
 prompt against the model's context length and builds the TextContext sent to the scheduler.
+
+For a vision-language checkpoint (api_server/vision_processor.py) it also takes `image_url`
+parts: the images are fetched and decoded (api_server/image_inputs.py), the template renders
+an image token where each was, and transformers' processor expands those and makes the pixel
+values: the context is then a TextAndVisionContext.
 """
 
 from __future__ import annotations
@@ -15,9 +20,17 @@ import msgspec
 import numpy as np
 
 from api_server.chat_template import TemplateSandbox
+from api_server.image_inputs import (
+    ImagePart,
+    MediaLimits,
+    load_image,
+    take_image_parts,
+)
 from api_server.protocol import RequestError, check_depth
+from api_server.vision_processor import load_vision_processor
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
+from pipelines.vision_context import ImageMetadata, TextAndVisionContext
 
 
 def load_hf_tokenizer(model_dir: str):
@@ -49,8 +62,13 @@ def _tokenizer_class_name(model_dir: str) -> str | None:
 
 
 class TextTokenizer:
-    def __init__(self, model_dir: str, max_model_len: int, eos_token_ids: list[int]) -> None:
-        self.delegate = load_hf_tokenizer(model_dir)
+    def __init__(self, model_dir: str, max_model_len: int, eos_token_ids: list[int],
+                 media_limits: MediaLimits | None = None) -> None:
+        # A vision model's processor brings its tokenizer: the one whose ids it expands.
+        self.vision = load_vision_processor(model_dir, media_limits or MediaLimits())
+        self.delegate = self.vision.tokenizer if self.vision else load_hf_tokenizer(model_dir)
+        if self.vision is not None and self.vision.chat_template:
+            self.delegate.chat_template = self.vision.chat_template
         self.max_model_len = max_model_len
         eos = set(eos_token_ids)
         if self.delegate.eos_token_id is not None:
@@ -59,6 +77,10 @@ class TextTokenizer:
         self.vocab_size = len(self.delegate)
         template = self.delegate.chat_template or ""
         self.template_takes_tools = isinstance(template, str) and "tools" in template
+        # A vision template that walks content parts (SmolVLM's) gets them; other templates
+        # get text with the image token where each image was.
+        self.template_takes_parts = self.vision is not None and isinstance(template, str) \
+            and ("'image'" in template or '"image"' in template)
         # No token is longer than the longest vocabulary entry (in characters of its string
         # form, which decodes to at most as many), so a text over this many characters can't
         # fit the context: it is refused before the template and the tokenizer spend time on
@@ -85,6 +107,10 @@ class TextTokenizer:
     @property
     def expects_content_wrapping(self) -> bool:
         return False
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
 
     async def encode(self, prompt: str, add_special_tokens: bool = False) -> np.ndarray:
         self.check_prompt_chars(len(prompt), "prompt")
@@ -142,17 +168,35 @@ class TextTokenizer:
     def _checked_messages(self, messages: list[dict]) -> list[dict]:
         if not messages:
             raise RequestError("messages must not be empty", param="messages")
-        messages = [_flatten_content(m) for m in messages]
-        chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0
-                    for m in messages)
+        image_token = self.vision.image_token if self.vision is not None else None
+        messages = [_flatten_content(m, i, image_token, self.template_takes_parts)
+                    for i, m in enumerate(messages)]
+        chars = sum(_content_chars(m.get("content")) for m in messages)
         self.check_prompt_chars(chars, "messages")
         return messages
 
+    async def _vision_inputs(self, text: str, parts: list[ImagePart],
+                             ) -> tuple[np.ndarray, list[ImageMetadata]]:
+        """Fetch and decode the images, then let the model's processor expand the prompt
+        (Pillow and the resizing release the GIL: off the event loop)."""
+        def work():
+            images = [load_image(part, self.vision.limits) for part in parts]
+            return self.vision.process(text, images)
+
+        return await asyncio.to_thread(work)
+
     async def new_context(self, request: TokenGeneratorRequest) -> TextContext:
+        images: list[ImageMetadata] = []
         if request.messages is not None:
-            text = await self.render_prompt(list(request.messages), request.tools,
+            messages, parts = list(request.messages), []
+            if self.vision is not None:
+                messages, parts = take_image_parts(messages, self.vision.limits)
+            text = await self.render_prompt(messages, request.tools,
                                             request.chat_template_options)
-            ids = await self.encode(text, add_special_tokens=False)
+            if parts:
+                ids, images = await self._vision_inputs(text, parts)
+            else:
+                ids = await self.encode(text, add_special_tokens=False)
         elif isinstance(request.prompt, str):
             ids = await self.encode(request.prompt, add_special_tokens=True)
         elif request.prompt is not None:
@@ -182,7 +226,7 @@ class TextTokenizer:
         if json_schema is not None and params.ignore_eos:
             # The grammar ends the output with EOS; ignoring it would run past the grammar.
             params = msgspec.structs.replace(params, ignore_eos=False)
-        return TextContext(
+        fields = dict(
             request_id=request.id,
             max_length=len(ids) + max_new,
             tokens=ids,
@@ -194,6 +238,10 @@ class TextTokenizer:
             log_probabilities_echo=request.echo,
             json_schema=json_schema,
         )
+        if images:
+            return TextAndVisionContext(**fields, vision_token_ids=self.vision.vision_token_ids,
+                                        images=images)
+        return TextContext(**fields)
 
 
 # Longer prompts are tokenized on a worker thread (the tokenizer releases the GIL), so a
@@ -201,24 +249,46 @@ class TextTokenizer:
 INLINE_TOKENIZE_CHARS = 32_768
 
 
-def _flatten_content(message: dict) -> dict:
-    """Chat templates expect string content: join a list of text parts."""
+def _flatten_content(message: dict, index: int, image_token: str | None = None,
+                     keep_parts: bool = False) -> dict:
+    """Chat templates expect string content: join a list of text parts (each image, for a
+    vision model, as its image token). A template that walks parts (`keep_parts`) gets
+    text and image parts, a string as one text part."""
     content = message.get("content")
     if isinstance(content, list):
-        texts = []
+        parts = []
         for i, part in enumerate(content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image" and image_token is not None:  # (from take_image_parts)
+                parts.append({"type": "image"})
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                takes = "text and images" if image_token is not None else "text"
                 raise RequestError(
-                    f"unsupported content part of type {part.get('type')!r}; this model takes text",
-                    param=f"messages.content[{i}]")
-            texts.append(part["text"])
-        message = {**message, "content": "".join(texts)}
+                    f"unsupported content part of type {kind!r}; this model takes {takes}",
+                    param=f"messages[{index}].content[{i}]")
+        if keep_parts:
+            message = {**message, "content": parts}
+        else:
+            message = {**message, "content": "".join(
+                p["text"] if p["type"] == "text" else image_token for p in parts)}
+    elif keep_parts:
+        message = {**message, "content": [{"type": "text", "text": content or ""}]}
     elif content is None:
         message = {**message, "content": ""}
     calls = message.get("tool_calls")
     if calls:
         message = {**message, "tool_calls": [_parsed_arguments(c, i) for i, c in enumerate(calls)]}
     return message
+
+
+def _content_chars(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text", "")) for p in content)
+    return 0
 
 
 def _parsed_arguments(call: dict, index: int) -> dict:

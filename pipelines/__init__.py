@@ -12,14 +12,18 @@ from pipelines.request import (
 from pipelines.response import LogProbabilities, TextGenerationOutput, TextResponse
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
 from pipelines.status import GenerationStatus, PipelineTask, TextGenerationStatus
+from pipelines.vision_context import ImageMetadata, InputError, TextAndVisionContext
 
 __all__ = [
     "GenerationStatus",
+    "ImageMetadata",
+    "InputError",
     "LogProbabilities",
     "PipelineTask",
     "PipelineTokenizer",
     "SamplingParams",
     "SamplingParamsError",
+    "TextAndVisionContext",
     "TextContext",
     "TextGenerationOutput",
     "TextGenerationStatus",

@@ -132,6 +132,11 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         return self.tokens[self._prompt_len : self._end_idx]
 
     @property
+    def prefix_cache_tokens(self) -> np.ndarray:
+        """The tokens the prefix cache hashes (a vision context keys its images in them)."""
+        return self.tokens
+
+    @property
     def last_generated_token(self) -> int:
         if self._end_idx <= self._prompt_len:
             raise ValueError("no tokens have been generated yet")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pipelines.context import TextContext
 from pipelines.response import LogProbabilities, RequestTimings, TextGenerationOutput
 from pipelines.status import GenerationStatus
+from pipelines.vision_context import TextAndVisionContext
 from scheduler.block_manager import BlockManager
 from scheduler.step_builder import build_step_batch
 from serialization.messages import NewRequest, SchedulerStats, StepBatch, StepResult, TokenLogprobs
@@ -163,7 +164,7 @@ class Scheduler:
             cached = []
             if ctx.start_idx == 0 and not ctx.log_probabilities_echo:
                 # (Echo needs logits at every prompt position: nothing may be skipped.)
-                cached = self.blocks.find_cached_prefix(ctx.all_tokens)
+                cached = self._cached_prefix(ctx)
             start = len(cached) * self.blocks.block_size if cached else ctx.start_idx
             n = min(ctx.end_idx - start, budget)
             if not self.blocks.allocate(ctx.request_id, start + n, cached):
@@ -179,6 +180,19 @@ class Scheduler:
         if not scheduled:
             return None
         return self._build_step(scheduled, num_new)
+
+    def _cached_prefix(self, ctx: TextContext) -> list[int]:
+        """Cached blocks holding a prefix of the context's tokens. Images are keyed by their
+        pixels (`prefix_cache_tokens`), and a hit never ends inside an image: it is cut back
+        to whole blocks before the image's start, so the step that feeds the image's first
+        token sends it to the worker to encode."""
+        cached = self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx])
+        if cached and isinstance(ctx, TextAndVisionContext):
+            size = self.blocks.block_size
+            keep = ctx.compute_image_aligned_idx(len(cached) * size) // size
+            self.blocks.prefix_hits -= (len(cached) - keep) * size  # (counted as hits)
+            cached = cached[:keep]
+        return cached
 
     def _finishes_with_pending_token(self, ctx: TextContext) -> bool:
         """Its placeholder token is the last it may have: it is done once that arrives."""
@@ -248,7 +262,7 @@ class Scheduler:
                 # this was: done.
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             # Blocks full of tokens this step computed (steps queued behind it are not done).
-            self.blocks.register_full_blocks(ctx.request_id, ctx.tokens,
+            self.blocks.register_full_blocks(ctx.request_id, ctx.prefix_cache_tokens,
                                              int(step.batch.seq_lens[i]))
             if ctx.end_idx - ctx.num_future >= self.config.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipelines.context import TextContext
-from serialization.messages import NewRequest, StepBatch
+from pipelines.vision_context import TextAndVisionContext
+from serialization.messages import NewRequest, StepBatch, StepImage
 
 
 def build_step_batch(
@@ -23,7 +24,10 @@ def build_step_batch(
     seq_lens = np.empty(count, dtype=np.int32)
     sample = np.empty(count, dtype=bool)
     chunks = []
+    images: list[StepImage] = []
     for i, (ctx, n) in enumerate(zip(contexts, num_new_tokens)):
+        if isinstance(ctx, TextAndVisionContext):
+            images += images_to_encode(ctx, ctx.start_idx, ctx.start_idx + n)
         ctx.set_token_indices(active_idx=ctx.start_idx + n)
         chunks.append(ctx.next_tokens)
         query_lens[i] = n
@@ -46,4 +50,14 @@ def build_step_batch(
         sample=sample,
         new_requests=new_requests,
         finished_request_ids=finished_request_ids,
+        images=images,
     )
+
+
+def images_to_encode(ctx: TextAndVisionContext, start: int, end: int) -> list[StepImage]:
+    """The images whose first token is fed in [start, end): the worker encodes them in this
+    step. (A chunk that starts inside an image had its start in an earlier step of the same
+    prefill: prefix-cache hits are aligned to image starts, and preemption restarts at 0.)"""
+    return [StepImage(ctx.request_id, i, img.start_idx, img.end_idx,
+                      ctx.vision_token_mask(img), img.pixel_values)
+            for i, img in ctx.images_starting_in(start, end)]

@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, in one place.
 
 Channels (all ZMQ PUSH/PULL, one direction each):
-  API -> scheduler    requests:  TextContext
+  API -> scheduler    requests:  TextContext (TextAndVisionContext), EmbeddingsContext, TTSContext
   API -> scheduler    cancel:    CancelRequest
   scheduler -> API    responses: ResponseBatch | SchedulerReady | SchedulerFailed
   scheduler -> worker steps:     StepBatch | Shutdown
@@ -23,6 +23,7 @@ from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
 from pipelines.tts_context import TTSContext
+from pipelines.vision_context import TextAndVisionContext
 
 
 class CancelRequest(msgspec.Struct, tag=True):
@@ -127,6 +128,19 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     logprobs: TokenLogprobs
 
 
+class StepImage(msgspec.Struct, array_like=True):
+    """An image whose first token a step feeds: the worker encodes it then, and keeps its
+    embeddings until the step that feeds its last token (worker/vision_cache.py). Sent again
+    if the request is preempted and its prompt recomputed."""
+
+    request_id: str
+    image_index: int  # of the request's images
+    start_idx: int  # the image's token run [start_idx, end_idx) in the request's sequence
+    end_idx: int
+    token_mask: np.ndarray  # bool [end_idx - start_idx]: the run's tokens that take a row
+    pixel_values: np.ndarray  # the model's layout (Idefics3: float32 [tiles, C, H, W])
+
+
 class StepBatch(msgspec.Struct, tag=True):
     """One forward pass: prefill chunks and decodes together, in one flat token array.
 
@@ -145,6 +159,7 @@ class StepBatch(msgspec.Struct, tag=True):
     sample: np.ndarray  # bool [num_seqs]
     new_requests: list[NewRequest] = []
     finished_request_ids: list[str] = []
+    images: list[StepImage] = []
 
 
 class EmbedStep(msgspec.Struct, tag=True):
@@ -212,7 +227,7 @@ class WorkerFailed(msgspec.Struct, tag=True):
     message: str
 
 
-RequestMessage = Union[TextContext, EmbeddingsContext, TTSContext]
+RequestMessage = Union[TextContext, TextAndVisionContext, EmbeddingsContext, TTSContext]
 ResponseMessage = Union[ResponseBatch, SchedulerReady, SchedulerFailed]
 StepMessage = Union[StepBatch, EmbedStep, AudioStep, Shutdown]
 ResultMessage = Union[StepResult, EmbedResult, AudioResult, WorkerReady, WorkerFailed]

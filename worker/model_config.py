@@ -1,4 +1,5 @@
-"""The parts of a Hugging Face config.json that the Llama-family forward pass needs."""
+"""The parts of a Hugging Face config.json that the Llama-family forward pass needs (and, for
+a vision-language model, its vision encoder)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,35 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": {"qk_norm": True, "tie_word_embeddings": True,
                           "hidden_act": "gelu_pytorch_tanh", "head_dim": 256,
                           "max_position_embeddings": 131072, "sliding_window": 4096},
+    # SmolVLM / Idefics3: a SigLIP vision encoder and a Llama text model (the fields above are
+    # the text model's; `vision` holds the rest).
+    "Idefics3ForConditionalGeneration": {},
 }
 
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+@dataclass
+class VisionConfig:
+    """A SigLIP-style vision encoder and the connector into the text model (Idefics3's)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_channels: int
+    image_size: int  # of a tile, square
+    patch_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    scale_factor: int  # pixel shuffle: scale_factor**2 patches per image token
+    image_token_id: int
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
 
 
 @dataclass
@@ -55,6 +80,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    vision: VisionConfig | None = None  # vision-language models only
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -136,6 +162,8 @@ def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None) -
         )
     if arch == "Gemma3ForCausalLM":
         return _gemma3_config(raw, generation_eos)
+    if arch == "Idefics3ForConditionalGeneration":
+        return _idefics3_config(raw, generation_eos)
     traits = SUPPORTED_ARCHITECTURES[arch]
     heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
@@ -240,6 +268,35 @@ def _gemma3_config(raw: dict, generation_eos: list[int] | None) -> ModelConfig:
     )
 
 
+def _idefics3_config(raw: dict, generation_eos: list[int] | None) -> ModelConfig:
+    """Idefics3Config: its text_config is a Llama's (transformers' default rms_norm_eps 1e-5
+    there), its vision_config a SigLIP encoder's (Idefics3VisionConfig's defaults)."""
+    text = dict(raw.get("text_config") or {})
+    if text.get("model_type", "llama") != "llama":
+        raise UnsupportedModelError(f"Idefics3 with a {text['model_type']!r} text model")
+    text.setdefault("rms_norm_eps", 1e-5)
+    text["architectures"] = ["LlamaForCausalLM"]
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
+    config = model_config_from_dict(text, generation_eos)
+    v = raw.get("vision_config") or {}
+    config.architecture = "Idefics3ForConditionalGeneration"
+    config.torch_dtype = raw.get("torch_dtype") or raw.get("dtype") or config.torch_dtype
+    config.vision = VisionConfig(
+        hidden_size=v.get("hidden_size", 1152),
+        intermediate_size=v.get("intermediate_size", 3072),
+        num_hidden_layers=v.get("num_hidden_layers", 12),
+        num_attention_heads=v.get("num_attention_heads", 16),
+        num_channels=v.get("num_channels", 3),
+        image_size=v.get("image_size", 224),
+        patch_size=v.get("patch_size", 32),
+        hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
+        layer_norm_eps=v.get("layer_norm_eps", 1e-6),
+        scale_factor=raw.get("scale_factor", 2),
+        image_token_id=raw.get("image_token_id", 128257),
+    )
+    return config
+
+
 def _architecture_from_model_type(model_type: str) -> str:
     return {
         "llama": "LlamaForCausalLM",
@@ -247,6 +304,7 @@ def _architecture_from_model_type(model_type: str) -> str:
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
+        "idefics3": "Idefics3ForConditionalGeneration",
     }.get(model_type, "")
 
 

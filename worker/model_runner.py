@@ -115,8 +115,10 @@ class ModelRunner:
         return out
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's sampling state (its KV blocks are the scheduler's)."""
+        """Forget a finished request's sampling state, and what the model kept for it (its
+        KV blocks are the scheduler's)."""
         self.requests.pop(request_id, None)
+        self.model.release(request_id)
 
     def _sample(self, out: StepResult, inputs: ModelInputs, outputs: ModelOutputs,
                 batch_states: list[RequestSamplingState], sample_seqs: np.ndarray) -> None:

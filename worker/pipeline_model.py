@@ -14,6 +14,8 @@ How MAX's names map here:
   alternatives, from the raw logits. Prompt (echo) log probabilities are not here: a prompt's
   rows span prefill chunks, so the runner carries them across steps (worker/logprobs.py).
 - `estimate_kv_cache_size(...)` (MAX's KVCacheMixin): the bytes the paged cache will take.
+- `release(request_id)`: a request finished; drop whatever the model keeps for it across
+  steps (a vision model's image embeddings). Most models keep nothing.
 
 The decoder-only architectures share `PagedCausalLM`, since their inputs are the same; each
 architecture's module inherits it and brings its own `forward`.
@@ -75,6 +77,9 @@ class PipelineModel(ABC):
     @abstractmethod
     def estimate_kv_cache_size(self, available_cache_memory: int | None, dtype: torch.dtype,
                                block_size: int, max_model_len: int, max_num_seqs: int) -> int: ...
+
+    def release(self, request_id: str) -> None:  # noqa: B027 (a hook: most models keep none)
+        """Forget per-request state kept across steps (none by default)."""
 
 
 class PagedCausalLM(PipelineModel):

@@ -199,7 +199,13 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids).to(self.compute_dtype), None
+        hidden = self.embed_tokens(input_ids).to(self.compute_dtype)
+        return self.forward_embeddings(hidden, meta, kv_cache, logits_rows)
+
+    def forward_embeddings(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                           kv_cache: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+        """The decoder over input embeddings [T, hidden] (a vision model's images merged in)."""
+        residual = None
         if self.fused_decode is not None and self.fused_decode.applies(meta):
             hidden, residual = self.fused_decode(hidden, meta, kv_cache)
         else:
@@ -261,10 +267,12 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
 
 
 def load_fused_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor],
-                          layer_norms: tuple[str, ...]) -> None:
+                          layer_norms: tuple[str, ...], loaded_elsewhere: tuple[str, ...] = (),
+                          ) -> None:
     """Copy a Hugging Face state dict into a model laid out as LlamaForCausalLM is (q/k/v and
     gate/up fused into one projection each; Gemma 3 too), `layer_norms` naming each layer's
-    norms. Every parameter must be loaded (the tied lm_head aside)."""
+    norms. Every parameter must be loaded (the tied lm_head aside, and the parameters under
+    the `loaded_elsewhere` prefixes: a vision model's encoder)."""
     config = model.config
     own = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -305,5 +313,6 @@ def load_fused_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor],
         put(f"{dst}mlp.gate_up_proj.weight", gate_up)
         put(f"{dst}mlp.down_proj.weight", take(f"{mlp}down_proj.weight"))
     missing = set(own) - loaded - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    missing = {name for name in missing if not name.startswith(loaded_elsewhere)}
     if missing:
         raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")

@@ -1,6 +1,7 @@
-"""Which model class runs a checkpoint: Gemma 3's own, or the Llama family's for the rest.
+"""Which model class runs a checkpoint: Gemma 3's own, Idefics3's (SmolVLM: a vision encoder
+on the Llama family's), or the Llama family's for the rest.
 
-Both are `PipelineModel`s (worker/pipeline_model.py: the runner drives them through it), built
+All are `PipelineModel`s (worker/pipeline_model.py: the runner drives them through it), built
 with `(config, max_positions)`. For the loader they also offer `load_hf_weights(weights)`,
 `compute_dtype`, `compute_in_float32()`, `use_fast_weight_layout()` and a `fused_decode`
 attribute (None until the runner sets it; Gemma 3 never uses it).
@@ -18,6 +19,10 @@ def model_class(config: ModelConfig) -> type:
         from worker.models.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM
+    if config.architecture == "Idefics3ForConditionalGeneration":
+        from worker.models.idefics3 import Idefics3ForConditionalGeneration
+
+        return Idefics3ForConditionalGeneration
     from worker.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM

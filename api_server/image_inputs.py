@@ -1,0 +1,184 @@
+"""The images of a chat request: `image_url` content parts, fetched and decoded under limits.
+
+Sources: `data:` URLs (base64 PNG, JPEG or WebP) and `file://` URLs inside the directory the
+operator allowed (`--allowed-local-media-path`, symlinks resolved before the check). http(s)
+URLs are refused: the server fetches nothing from the network on a client's behalf (no SSRF,
+no waiting on a slow host with a request slot held), and its machines have no internet anyway.
+
+Limits, each a 400 naming the offending part (`messages[0].content[1]`): images per request
+(`--limit-mm-per-prompt`), bytes per image file, and pixels per image, checked from the header
+before the bitmap is decoded (a small PNG can unpack to gigabytes).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import stat
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+from api_server.protocol import RequestError
+
+_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_images: int = 4  # per request (vLLM's --limit-mm-per-prompt)
+    max_image_bytes: int = 20_000_000  # of an image file, after base64 decoding
+    max_image_pixels: int = 40_000_000
+    allowed_local_media_path: str | None = None  # file:// URLs only inside it; None: refused
+
+
+
+@dataclass
+class ImagePart:
+    param: str  # where the request holds it, for errors: messages[i].content[j]
+    url: str
+
+
+def take_image_parts(messages: list[dict], limits: MediaLimits,
+                     ) -> tuple[list[dict], list[ImagePart]]:
+    """The messages with each `image_url` part replaced by the chat templates' `{"type":
+    "image"}`, and the parts in order. Only text and image_url parts are accepted."""
+    parts: list[ImagePart] = []
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        new_content = []
+        for j, part in enumerate(content):
+            param = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                new_content.append(part)
+            elif kind == "image_url":
+                if len(parts) == limits.max_images:
+                    raise RequestError(
+                        f"at most {limits.max_images} images per request "
+                        f"(--limit-mm-per-prompt)", param=param, code="limit_exceeded")
+                parts.append(ImagePart(param, _image_url(part, param)))
+                new_content.append({"type": "image"})
+            else:
+                raise RequestError(f"unsupported content part of type {kind!r}; this model "
+                                   f"takes text and image_url parts", param=param)
+        out.append({**message, "content": new_content})
+    return out, parts
+
+
+def _image_url(part: dict, param: str) -> str:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise RequestError("an image_url part needs image_url.url", param=param)
+    return url
+
+
+def load_image(part: ImagePart, limits: MediaLimits) -> Any:
+    """The part's image as a decoded PIL image (blocking: run it off the event loop)."""
+    return decode_image(read_image_bytes(part, limits), part.param, limits)
+
+
+def read_image_bytes(part: ImagePart, limits: MediaLimits) -> bytes:
+    url, param = part.url, part.param
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return _data_url_bytes(url, param, limits)
+    if scheme == "file":
+        return _local_file_bytes(url, param, limits)
+    if scheme in ("http", "https"):
+        raise RequestError("this server does not fetch images from http(s) URLs; send the "
+                           "image inline as a data: URL (base64)", param=param,
+                           code="unsupported_image_url")
+    raise RequestError("an image URL must be a data: URL (base64 PNG, JPEG or WebP) or a "
+                       "file:// URL", param=param, code="unsupported_image_url")
+
+
+def _data_url_bytes(url: str, param: str, limits: MediaLimits) -> bytes:
+    header, sep, payload = url[len("data:"):].partition(",")
+    media_type = header.split(";", 1)[0].strip().lower()
+    if not sep or not header.lower().endswith(";base64"):
+        raise RequestError("a data: URL image must be base64 (data:image/png;base64,...)",
+                           param=param)
+    if media_type and not media_type.startswith("image/"):
+        raise RequestError(f"a data: URL of type {media_type!r} is no image", param=param)
+    if len(payload) // 4 * 3 > limits.max_image_bytes + 3:  # (decoding would only confirm it)
+        raise _too_large(param, limits)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError("the image's data: URL is not valid base64", param=param,
+                           code="invalid_image") from None
+    if len(data) > limits.max_image_bytes:
+        raise _too_large(param, limits)
+    return data
+
+
+def _local_file_bytes(url: str, param: str, limits: MediaLimits) -> bytes:
+    root = limits.allowed_local_media_path
+    if root is None:
+        raise RequestError("this server does not read local files (start it with "
+                           "--allowed-local-media-path DIR to allow file:// URLs under DIR)",
+                           param=param, code="unsupported_image_url")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise RequestError("a file:// URL must name a local path", param=param)
+    path = os.path.realpath(urllib.parse.unquote(parts.path))
+    root = os.path.realpath(root)
+    if os.path.commonpath([root, path]) != root:
+        raise RequestError("the file is outside --allowed-local-media-path", param=param,
+                           code="forbidden_path")
+    try:
+        # O_NOFOLLOW: the resolved path must not have become a symlink since.
+        # O_NONBLOCK: a FIFO would block the open until a writer came (refused below).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RequestError(f"cannot read the image file: {exc.strerror}", param=param) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise RequestError("the image path is not a regular file", param=param)
+        data = f.read(limits.max_image_bytes + 1)
+    if len(data) > limits.max_image_bytes:
+        raise _too_large(param, limits)
+    return data
+
+
+def _too_large(param: str, limits: MediaLimits) -> RequestError:
+    return RequestError(f"the image is larger than {limits.max_image_bytes} bytes",
+                        param=param, code="limit_exceeded")
+
+
+def decode_image(data: bytes, param: str, limits: MediaLimits) -> Any:
+    """Decode as transformers' `load_image` does (EXIF orientation applied, RGB)."""
+    from PIL import Image, ImageOps
+
+    try:
+        image = Image.open(io.BytesIO(data), formats=_FORMATS)
+    except Image.DecompressionBombError:
+        raise _too_many_pixels(param, limits) from None
+    except Exception:  # UnidentifiedImageError and whatever a broken header raises
+        raise RequestError("the image is not a PNG, JPEG or WebP image Pillow can read",
+                           param=param, code="invalid_image") from None
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise _too_many_pixels(param, limits)
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        return image.convert("RGB")
+    except Image.DecompressionBombError:
+        raise _too_many_pixels(param, limits) from None
+    except Exception:  # truncated or corrupt data: OSError, SyntaxError, ValueError, ...
+        raise RequestError("the image data is corrupt or truncated", param=param,
+                           code="invalid_image") from None
+
+
+def _too_many_pixels(param: str, limits: MediaLimits) -> RequestError:
+    return RequestError(f"the image has more than {limits.max_image_pixels} pixels",
+                        param=param, code="limit_exceeded")

@@ -1,0 +1,186 @@
+"""TextAndVisionContext: a TextContext whose prompt holds images, as max.pipelines.core has it.
+
+Each image is a run of the prompt's tokens, `ImageMetadata(start_idx, end_idx)`: from its first
+vision token to one past its last. The model replaces the vision tokens of that run (the
+positions whose token is one of `vision_token_ids`) with the image's embeddings, in order; a
+run may hold other tokens between them (Idefics3 separates its tiles with
+`<fake_token_around_image><row_1_col_2>` tags, which stay text). For example:
+
+    idx:       0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19
+    token_ids: 51 52 53 54 97 98 98 98 98 99 55 56 57 58 97 98 98 98 98 99
+                              ^-- img0 --^                 ^-- img1 --^
+    images:    ImageMetadata(start_idx=5, end_idx=9), ImageMetadata(start_idx=15, end_idx=19)
+
+`image_idx` is the first image not yet fully processed (start_idx < its end_idx). As in MAX's
+newest version, chunked prefill may split an image: the worker encodes an image in the step
+that feeds its first token and keeps the embeddings until its last token is fed
+(worker/vision_cache.py). A prefix-cache hit, though, never starts inside an image: the
+scheduler aligns it down with `compute_image_aligned_idx`, so the image is sent and encoded.
+
+The context crosses the wire like TextContext (its own msgspec tag); pixel values travel as
+numpy arrays in msgpack-numpy's format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import numpy as np
+
+from pipelines.context import TextContext
+
+# Keys that stand for an image's vision tokens in the prefix cache's hashes are negative, so
+# they never equal a real token id (nor FUTURE_TOKEN, -1).
+_FIRST_IMAGE_KEY = -2
+_KEY_RANGE = 1 << 62
+
+
+class InputError(ValueError):
+    """A context that the model can't take (the seeds' `validate_*` helpers raise it)."""
+
+
+def hash_image(pixel_values: np.ndarray) -> int:
+    """A 63-bit content hash of an image's pixel values (with their shape and dtype)."""
+    arr = np.ascontiguousarray(pixel_values)
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"{arr.dtype.str}{arr.shape}".encode())
+    digest.update(arr.data)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+class ImageMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One image of a prompt: its token run [start_idx, end_idx) and its pixel values, in the
+    layout its model's vision encoder takes (Idefics3: float32 [tiles, channels, H, W])."""
+
+    start_idx: int
+    end_idx: int
+    pixel_values: np.ndarray
+    image_hash: int | None = None  # hash_image(pixel_values); computed when not given
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_idx < self.end_idx:
+            raise ValueError(f"an image needs 0 <= start_idx < end_idx, not "
+                             f"[{self.start_idx}, {self.end_idx})")
+        if self.image_hash is None:
+            self.image_hash = hash_image(self.pixel_values)
+
+
+class TextAndVisionContext(TextContext, kw_only=True, omit_defaults=True, eq=False):
+    vision_token_ids: list[int]
+    images: list[ImageMetadata] = msgspec.field(default_factory=list)
+    # Model-specific arguments of the vision encoder (the seeds' name); Idefics3 needs none.
+    extra_model_args: dict[str, np.ndarray] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._validate_images()
+
+    def _validate_images(self) -> None:
+        """MAX's checks: sorted, non-overlapping runs inside the prompt that start and end on
+        a vision token (only the ends are checked: a full scan costs a pass per context). A
+        malformed context from the wire fails its decode here and is dropped."""
+        for prev, nxt in zip(self.images[:-1], self.images[1:]):
+            if nxt.start_idx < prev.end_idx:
+                raise ValueError("images must be sorted and non-overlapping")
+        for img in self.images:
+            if img.end_idx > self.prompt_length:
+                raise ValueError("images must lie inside the prompt")
+            if (int(self.tokens[img.start_idx]) not in self.vision_token_ids
+                    or int(self.tokens[img.end_idx - 1]) not in self.vision_token_ids):
+                raise ValueError(f"images must start and end with a vision token "
+                                 f"({self.vision_token_ids})")
+
+    # ---- the seeds' vision properties ------------------------------------------------------
+    @property
+    def image_idx(self) -> int:
+        """Index of the next image not yet fully processed."""
+        for i, img in enumerate(self.images):
+            if self.start_idx < img.end_idx:
+                return i
+        return len(self.images)
+
+    @property
+    def next_images(self) -> list[ImageMetadata]:
+        """The images not yet fully processed."""
+        return self.images[self.image_idx:]
+
+    @property
+    def needs_vision_encoding(self) -> bool:
+        return self.image_idx < len(self.images)
+
+    def compute_image_aligned_idx(self, idx: int) -> int:
+        """`idx`, moved down to the start of the image it lies inside, if any."""
+        for img in self.images:
+            if img.start_idx <= idx < img.end_idx:
+                return img.start_idx
+        return idx
+
+    def images_starting_in(self, start: int, end: int) -> list[tuple[int, ImageMetadata]]:
+        """(index, image) of the images whose first token is in [start, end): the ones a step
+        feeding those tokens must have encoded."""
+        return [(i, img) for i, img in enumerate(self.images) if start <= img.start_idx < end]
+
+    def vision_token_mask(self, img: ImageMetadata) -> np.ndarray:
+        """Which tokens of the image's run take an embedding row (bool, one per token)."""
+        run = self.tokens[img.start_idx:img.end_idx]
+        return np.isin(run, self.vision_token_ids)
+
+    @property
+    def prefix_cache_tokens(self) -> np.ndarray:
+        """The tokens the prefix cache hashes: each image's vision tokens replaced by a key
+        derived from its pixels. The placeholder ids are the same for every image, so without
+        this two requests with different images would share KV blocks; with it, the same
+        image (a follow-up turn of a conversation) still reuses them."""
+        keyed = self.tokens.copy()
+        for img in self.images:
+            key = _FIRST_IMAGE_KEY - (img.image_hash % _KEY_RANGE)
+            run = keyed[img.start_idx:img.end_idx]
+            run[np.isin(run, self.vision_token_ids)] = key
+        return keyed
+
+
+# ---- the seeds' validate_* helpers ---------------------------------------------------------
+# MAX's vision tokenizers call these on the context they built; each raises InputError.
+
+def validate_requires_vision_context(context: TextContext) -> None:
+    if not isinstance(context, TextAndVisionContext):
+        raise InputError("this model needs a TextAndVisionContext")
+
+
+def validate_only_one_image(context: TextContext) -> None:
+    if isinstance(context, TextAndVisionContext) and len(context.images) > 1:
+        raise InputError(f"this model takes at most one image, not {len(context.images)}")
+
+
+def validate_initial_prompt_has_image(context: TextContext) -> None:
+    if context.is_initial_prompt and not (
+            isinstance(context, TextAndVisionContext) and context.images):
+        raise InputError("this model needs an image in its prompt")
+
+
+def validate_image_shape_5d(context: TextContext) -> None:
+    if isinstance(context, TextAndVisionContext):
+        for img in context.images:
+            if img.pixel_values.ndim != 5:
+                raise InputError(f"images must be 5-dimensional, not of shape "
+                                 f"{img.pixel_values.shape}")
+
+
+def _validate_extra_arg(context: TextContext, name: str) -> None:
+    if (isinstance(context, TextAndVisionContext) and context.needs_vision_encoding
+            and name not in context.extra_model_args):
+        raise InputError(f"{name} is missing from extra_model_args")
+
+
+def validate_aspect_ratio_args(context: TextContext) -> None:
+    for name in ("aspect_ratio_ids", "aspect_ratio_mask"):
+        _validate_extra_arg(context, name)
+
+
+def validate_image_grid_thw_args(context: TextContext) -> None:
+    _validate_extra_arg(context, "image_grid_thw")
+
+
+def validate_vision_position_ids(context: TextContext) -> None:
+    _validate_extra_arg(context, "vision_position_ids")

@@ -1,0 +1,371 @@
+"""Images in chat completions, served by an Idefics3 (SmolVLM) model, against transformers.
+
+A tiny random Idefics3 (SigLIP 64 px tiles of 16 px patches, pixel shuffle 2, a tiny Llama)
+with the real SmolLM2 tokenizer plus SmolVLM's image tokens. Greedy output through the HTTP
+server and the official openai client equals transformers' generate() on the same weights and
+the same processor outputs, token for token: one image, two images, an image request batched
+with a text-only one, with prefill chunks (16 tokens) cutting the images. In process, the
+scheduler and the model runner: preemption, prefix-cache hits and aborts, and the worker's
+image embeddings gone at the end. And every way an image part can be refused: a 400 naming it.
+"""
+
+import asyncio
+import base64
+import io
+import os
+
+import numpy as np
+import openai
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from api_server.image_inputs import MediaLimits
+from api_server.tokenizer import TextTokenizer
+from pipelines import SamplingParams
+from pipelines.request import TokenGeneratorRequest
+from pipelines.vision_context import ImageMetadata, TextAndVisionContext
+from scheduler.block_manager import BlockManager
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from serialization.messages import RequestMessage
+from tests.helpers import start_server
+from worker.model_config import RunnerConfig
+from worker.model_runner import ModelRunner
+
+MAX_TOKENS = 10
+# SmolVLM's chat template: content parts, an <image> token where each image goes.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+
+
+def make_tiny_idefics3(target: str, tokenizer_dir: str) -> str:
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(IMAGE_TOKENS, special_tokens=True)
+    # Tiles of 64 px (4 image tokens each); images are scaled to a 128 px longest edge, so
+    # each is cut into up to 2 x 2 tiles plus the whole image.
+    images = transformers.Idefics3ImageProcessor(size={"longest_edge": 128},
+                                                 max_image_size={"longest_edge": 64})
+    processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tok,
+                                               image_seq_len=4, chat_template=SMOLVLM_TEMPLATE)
+    config = transformers.Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=64, patch_size=16),
+        text_config=dict(model_type="llama", vocab_size=49216, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2, tie_word_embeddings=False),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(target)
+    processor.save_pretrained(target)
+    return target
+
+
+def random_image(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+IMAGES = {"wide": random_image(100, 80, 1), "tall": random_image(40, 120, 2),
+          "square": random_image(70, 70, 3), "wide2": random_image(100, 80, 4)}
+TEXT = "What is in this image?"
+
+
+def image_part(name: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(IMAGES[name])}}
+
+
+def chat(names: list[str], text: str = TEXT) -> list[dict]:
+    return [{"role": "user", "content": [*(image_part(n) for n in names),
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(smollm2_dir, tmp_path_factory):
+    return make_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3")), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def oracle(vlm_dir):
+    """transformers' greedy tokens (and prompt length) for (image names, text)."""
+    processor = transformers.AutoProcessor.from_pretrained(vlm_dir)
+    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(
+        vlm_dir, dtype=torch.float32).eval()
+    cache = {}
+
+    def expected(names: tuple[str, ...], text: str = TEXT) -> tuple[list[int], int]:
+        if (names, text) not in cache:
+            messages = [{"role": "user", "content": [*({"type": "image"} for _ in names),
+                                                     {"type": "text", "text": text}]}]
+            prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+            images = [[IMAGES[n].convert("RGB") for n in names]] if names else None
+            inputs = processor(text=[prompt], images=images, add_special_tokens=False,
+                               return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                     pad_token_id=2)
+            n = inputs["input_ids"].shape[1]
+            cache[(names, text)] = (out[0, n:].tolist(), n)
+        return cache[(names, text)]
+
+    return expected
+
+
+# ---- through the HTTP server ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    allowed = root / "allowed"
+    allowed.mkdir()
+    IMAGES["wide"].save(allowed / "wide.png")
+    IMAGES["tall"].save(root / "outside.png")
+    os.symlink(root / "outside.png", allowed / "link.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir, media_dir):
+    srv = start_server(vlm_dir, "--served-model-name", "vlm", "--max-num-batched-tokens", "16",
+                       "--limit-mm-per-prompt", "2",
+                       "--allowed-local-media-path", str(media_dir / "allowed"))
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def served_tokens(client, messages) -> tuple[list[int], int]:
+    r = client.chat.completions.create(
+        model="vlm", messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True})
+    ids = [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content]
+    return ids, r.usage.prompt_tokens
+
+
+def test_one_image(client, oracle):
+    assert served_tokens(client, chat(["wide"])) == oracle(("wide",))
+
+
+def test_different_images_do_not_share_cached_blocks(client, oracle):
+    # Same text, another image of the same size: the same token ids throughout, but other
+    # prefix-cache keys for the image tokens. Then the first image again: its cached blocks
+    # may be reused, and the output is the same.
+    assert oracle(("wide2",))[0] != oracle(("wide",))[0]
+    assert served_tokens(client, chat(["wide2"])) == oracle(("wide2",))
+    assert served_tokens(client, chat(["wide"])) == oracle(("wide",))
+
+
+def test_two_images_in_one_message(client, oracle):
+    assert served_tokens(client, chat(["square", "tall"], "Compare them.")) == \
+        oracle(("square", "tall"), "Compare them.")
+
+
+def test_batched_with_a_text_only_request(server, oracle):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(messages):
+        r = await client.chat.completions.create(
+            model="vlm", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+        return [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content]
+
+    async def both():
+        text_only = [{"role": "user", "content": "Describe a cat."}]
+        return await asyncio.gather(one(chat(["square"])), one(text_only), one(chat(["wide"])))
+
+    image_a, text, image_b = asyncio.run(both())
+    assert image_a == oracle(("square",))[0]
+    assert text == oracle((), "Describe a cat.")[0]
+    assert image_b == oracle(("wide",))[0]
+
+
+def test_file_url_inside_the_allowed_directory(client, oracle, media_dir):
+    url = (media_dir / "allowed" / "wide.png").as_uri()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": TEXT}]}]
+    assert served_tokens(client, messages) == oracle(("wide",))
+
+
+def test_models_lists_input_modalities(client):
+    assert client.models.list().data[0].model_extra["input_modalities"] == ["text", "image"]
+
+
+def truncated_png() -> str:
+    buf = io.BytesIO()
+    IMAGES["wide"].save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()[:300]).decode()
+
+
+def bad(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.mark.parametrize("parts,param,code", [
+    ([bad("data:image/png;base64,!!not-base64!!")], "messages[0].content[0]", "invalid_image"),
+    ([{"type": "text", "text": "x"}, bad("data:image/png;base64," +
+                                         base64.b64encode(b"not an image").decode())],
+     "messages[0].content[1]", "invalid_image"),
+    ([bad(truncated_png())], "messages[0].content[0]", "invalid_image"),
+    ([bad("https://example.com/cat.png")], "messages[0].content[0]", "unsupported_image_url"),
+    ([image_part("wide"), image_part("tall"), image_part("square")], "messages[0].content[2]",
+     "limit_exceeded"),
+    ([{"type": "input_audio", "input_audio": {}}], "messages[0].content[0]", None),
+])
+def test_bad_image_parts_are_400s_naming_the_part(client, parts, param, code):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="vlm", max_tokens=1,
+                                       messages=[{"role": "user", "content": parts}])
+    assert exc.value.body["param"] == param
+    if code:
+        assert exc.value.body["code"] == code
+
+
+@pytest.mark.parametrize("name", ["../outside.png", "link.png", "missing.png"])
+def test_file_urls_outside_the_allowed_directory_are_refused(client, media_dir, name):
+    path = os.path.join(media_dir, "allowed", name)
+    url = "file://" + path  # (not normalised: ".." must be resolved by the server)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="vlm", max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "x"}, bad(url)]}])
+    assert exc.value.body["param"] == "messages[0].content[1]"
+
+
+def test_a_text_only_model_refuses_image_parts(tiny_model_dir):
+    srv = start_server(tiny_model_dir, "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="tiny", max_tokens=1, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "x"}, image_part("wide")]}])
+        assert exc.value.body["param"] == "messages[0].content[1]"
+        assert client.models.list().data[0].model_extra["input_modalities"] == ["text"]
+    finally:
+        assert srv.stop() == 0
+
+
+# ---- in process: scheduler + model runner ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(vlm_dir):
+    return TextTokenizer(vlm_dir, 1024, [2], MediaLimits())
+
+
+@pytest.fixture(scope="module")
+def runner(vlm_dir):
+    return ModelRunner(RunnerConfig(model_dir=vlm_dir, block_size=4, max_model_len=512,
+                                    kv_cache_memory=8 << 20))
+
+
+def new_context(tokenizer, messages, request_id):
+    return asyncio.run(tokenizer.new_context(TokenGeneratorRequest(
+        id=request_id, index=0, model_name="vlm", messages=messages,
+        sampling_params=SamplingParams(max_new_tokens=MAX_TOKENS))))
+
+
+def test_context_crosses_the_wire(tokenizer):
+    ctx = new_context(tokenizer, chat(["wide", "tall"]), "wire")
+    assert isinstance(ctx, TextAndVisionContext) and len(ctx.images) == 2
+    assert ctx.images[0].pixel_values.shape == (5, 3, 64, 64)  # 2 x 2 tiles + the whole
+    assert ctx.images[1].pixel_values.shape == (3, 3, 64, 64)  # 2 x 1 tiles + the whole
+    back = msgpack_numpy_decoder(RequestMessage)(msgpack_numpy_encoder()(ctx))
+    assert isinstance(back, TextAndVisionContext)
+    for a, b in zip(ctx.images, back.images):
+        assert (a.start_idx, a.end_idx, a.image_hash) == (b.start_idx, b.end_idx, b.image_hash)
+        assert np.array_equal(a.pixel_values, b.pixel_values)
+    assert ctx.needs_vision_encoding and ctx.image_idx == 0
+    mid = (ctx.images[0].start_idx + ctx.images[0].end_idx) // 2
+    assert ctx.compute_image_aligned_idx(mid) == ctx.images[0].start_idx
+    ctx.set_token_indices(start_idx=ctx.images[0].end_idx)
+    assert ctx.image_idx == 1 and ctx.next_images == ctx.images[1:]
+
+
+def run_in_process(runner, contexts, budget, num_blocks=None, abort_after=None):
+    blocks = BlockManager(num_blocks or runner.num_blocks, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
+                                      max_model_len=runner.max_model_len), blocks)
+    for ctx in contexts:
+        sched.add_request(ctx)
+    steps = 0
+    while sched.has_work:
+        step = sched.schedule()
+        sched.update(step, runner.next_token(step.batch))
+        steps += 1
+        if steps == abort_after:
+            sched.abort(contexts[0].request_id)
+    assert blocks.num_free_blocks == blocks.num_blocks
+    return sched
+
+
+def test_in_process_chunked_preempted_and_prefix_cached(tokenizer, runner, oracle):
+    # The last two: the first's blocks, image included, are cached and reused for the same
+    # image, not for another of the same size (the same token ids).
+    cases = [(("wide",), TEXT), (("tall", "square"), TEXT), ((), "Describe a cat."),
+             (("wide",), TEXT), (("wide2",), TEXT)]
+    contexts = [new_context(tokenizer, chat(list(names), text) if names else
+                            [{"role": "user", "content": text}], f"r{i}")
+                for i, (names, text) in enumerate(cases)]
+    # 5-token chunks cut every image; 24 blocks of 4 tokens can't hold all four: preemption.
+    sched = run_in_process(runner, contexts, budget=5, num_blocks=24)
+    for ctx, (names, text) in zip(contexts, cases):
+        assert ctx.generated_tokens.tolist() == oracle(names, text)[0], names
+    assert sched.num_preemptions > 0 and sched.blocks.prefix_hits > 0
+    assert len(runner.model.image_cache) == 0  # every image's embeddings dropped
+
+
+def test_aborted_request_leaves_no_embeddings(tokenizer, runner):
+    # Aborted in the middle of its first image; the next step tells the worker.
+    contexts = [new_context(tokenizer, chat(["wide", "tall"]), "gone"),
+                new_context(tokenizer, [{"role": "user", "content": "Describe a cat."}], "cat")]
+    run_in_process(runner, contexts, budget=8, abort_after=2)
+    assert contexts[0].start_idx < contexts[0].images[0].end_idx
+    assert len(runner.model.image_cache) == 0
+
+
+def test_a_prefix_hit_never_starts_inside_an_image():
+    """A hit that would end inside an image (another request's prefill stopped there: here it
+    was cancelled) is cut back to whole blocks before the image, so the image is sent to the
+    worker again."""
+    from serialization.messages import StepResult
+
+    def ctx(request_id):
+        pixels = np.ones((1, 3, 64, 64), np.float32)
+        tokens = np.array([1, 2, 3, 9, 9, 9, 9, 9, 9, 4, 5, 6, 7])  # image run [3, 9)
+        return TextAndVisionContext(request_id=request_id, max_length=20, tokens=tokens,
+                                    vision_token_ids=[9], images=[
+                                        ImageMetadata(start_idx=3, end_idx=9,
+                                                      pixel_values=pixels)])
+
+    blocks = BlockManager(32, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), blocks)
+    sched.add_request(ctx("a"))
+    step = sched.schedule()  # a's tokens [0, 6): its image starts, and is sent
+    assert [(i.request_id, i.start_idx) for i in step.batch.images] == [("a", 3)]
+    assert step.batch.images[0].token_mask.tolist() == [True] * 6
+    sched.update(step, StepResult(step_id=step.batch.step_id,
+                                  sampled_token_ids=np.full(1, -1, np.int32)))
+    sched.abort("a")  # (its full block [0, 4) stays cached: it ends inside the image)
+    sched.add_request(ctx("b"))
+    step = sched.schedule()
+    b = step.batch.request_ids.index("b")
+    assert step.batch.seq_lens[b] == step.batch.query_lens[b]  # b starts at 0
+    assert [i.request_id for i in step.batch.images] == ["b"]
