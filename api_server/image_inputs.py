@@ -22,16 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from api_server.protocol import RequestError
+from pipelines.config import MediaLimits
 
 _FORMATS = ("PNG", "JPEG", "WEBP")
-
-
-@dataclass(frozen=True)
-class MediaLimits:
-    max_images: int = 4  # per request (vLLM's --limit-mm-per-prompt)
-    max_image_bytes: int = 20_000_000  # of an image file, after base64 decoding
-    max_image_pixels: int = 40_000_000
-    allowed_local_media_path: str | None = None  # file:// URLs only inside it; None: refused
 
 
 

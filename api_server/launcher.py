@@ -18,22 +18,21 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import uvicorn
 
 from api_server.app import build_app
 from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient, EngineDeadError
-from api_server.image_inputs import MediaLimits
 from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
-from api_server.server_state import AdmissionLimits, ServerState
+from api_server.server_state import ServerState
 from api_server.speech_route import SpeechRoute
 from api_server.tokenizer import TextTokenizer
+from pipelines.config import PipelineConfig, ServerConfig
 from pipelines.cpu_placement import CpuPlacement
 from pipelines.lifecycle import freeze_startup_heap
-from scheduler.process import SchedulerProcessConfig, run_scheduler
+from scheduler.process import run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
 from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.bert_config import BertConfig
@@ -46,46 +45,7 @@ class StartupError(RuntimeError):
     """A problem the user can fix; reported as one line, no traceback."""
 
 
-@dataclass
-class ServeConfig:
-    model_dir: str
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "float32"
-    quantization: str | None = None  # RunnerConfig's: "gguf", "int8" or None
-    tokenizer_dir: str | None = None  # default: model_dir (a GGUF file's: a cache directory)
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    kv_cache_memory: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_events_endpoint: str | None = None
-    kv_events_topic: str = ""
-    num_threads: int | None = None
-    cpu_placement: bool = True
-    log_level: str = "info"
-    startup_timeout: float = 300.0
-    shutdown_timeout: float = 10.0
-    request_timeout: float | None = None
-    step_timeout: float = 120.0
-    max_queued_requests: int = 512
-    max_queued_tokens: int = 1_000_000
-    max_sequences_per_request: int = 256
-    trust_request_chat_template: bool = False
-    api_key: str | None = None
-    allow_unauthenticated: bool = False
-    max_request_bytes: int = 16 << 20
-    task: str = "generate"
-    speech: bool = True
-    speech_noise: bool = True
-    tool_call_parser: str = "auto"
-    reasoning_parser: str = "auto"
-    media_limits: MediaLimits = MediaLimits()  # a vision model's image limits
-
-
-def check_exposure(cfg: ServeConfig) -> None:
+def check_exposure(cfg: ServerConfig) -> None:
     """Refuse to serve other machines without an API key, unless asked to: a server bound to
     0.0.0.0 by habit (or by a container's defaults) would otherwise be open to its network."""
     if cfg.api_key or cfg.allow_unauthenticated or is_loopback(cfg.host):
@@ -161,7 +121,7 @@ class _Server(uvicorn.Server):
 
 
 class Launcher:
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
         self.ipc_dir = make_private_ipc_dir()
         self.endpoints = Endpoints.ipc(self.ipc_dir)
@@ -171,25 +131,16 @@ class Launcher:
     def start_children(self) -> None:
         cfg = self.cfg
         mp = multiprocessing.get_context("spawn")
-        threads = cfg.num_threads or max(1, os.cpu_count() or 1)
-        runner_cfg = RunnerConfig(
-            model_dir=cfg.model_dir, dtype=cfg.dtype, quantization=cfg.quantization,
-            tokenizer_dir=cfg.tokenizer_dir, block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-            kv_cache_memory=cfg.kv_cache_memory, task=cfg.task, speech=cfg.speech,
-            speech_noise=cfg.speech_noise,
-        )
-        sched_cfg = SchedulerProcessConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_prefix_caching=cfg.enable_prefix_caching, log_level=cfg.log_level,
-            kv_events_endpoint=cfg.kv_events_endpoint, kv_events_topic=cfg.kv_events_topic,
-        )
-        placement = CpuPlacement.plan(threads) if cfg.cpu_placement else None
+        threads = cfg.device.num_threads or max(1, os.cpu_count() or 1)
+        placement = CpuPlacement.plan(threads) if cfg.device.cpu_placement else None
+        log_level = cfg.server.log_level
         self.children = [
             mp.Process(target=run_worker, name="loom-worker",
-                       args=(runner_cfg, self.endpoints, threads, cfg.log_level, placement)),
+                       args=(RunnerConfig.from_pipeline(cfg), self.endpoints, threads,
+                             log_level, placement)),
             mp.Process(target=run_scheduler, name="loom-scheduler",
-                       args=(sched_cfg, self.endpoints, placement)),
+                       args=(cfg.batching, cfg.kv_cache, log_level, self.endpoints,
+                             placement)),
         ]
         for child in self.children:
             child.start()
@@ -232,8 +183,8 @@ class Launcher:
         finish, then stop."""
         state.draining = True
         logger.info("shutting down: draining %d in-flight requests (up to %gs)",
-                    engine.num_in_flight, self.cfg.shutdown_timeout)
-        deadline = time.monotonic() + self.cfg.shutdown_timeout
+                    engine.num_in_flight, self.cfg.server.shutdown_timeout)
+        deadline = time.monotonic() + self.cfg.server.shutdown_timeout
         while engine.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         server.should_exit = True
@@ -249,38 +200,33 @@ class Launcher:
 
     async def serve(self, listen_socket: socket.socket) -> int:
         cfg = self.cfg
-        metrics = Metrics(cfg.served_model_name)
+        model, server_cfg = cfg.model, cfg.server
+        metrics = Metrics(model.served_model_name)
         engine = EngineClient(self.endpoints, metrics)
         engine.start()
         embedding_dim = None
-        if cfg.task == "embed":
-            bert = BertConfig.from_dir(cfg.model_dir)
+        if model.task == "embed":
+            bert = BertConfig.from_dir(model.model_dir)
             max_model_len, embedding_dim, eos = bert.max_seq_length, bert.hidden_size, []
         else:
-            model_config = load_model_config(cfg.model_dir)
-            max_model_len = resolve_max_model_len(model_config, cfg.max_model_len)
+            model_config = load_model_config(model.model_dir)
+            max_model_len = resolve_max_model_len(model_config, model.max_model_len)
             eos = model_config.eos_token_ids
-        tokenizer = TextTokenizer(cfg.tokenizer_dir or cfg.model_dir, max_model_len, eos,
-                                  cfg.media_limits)
+        tokenizer = TextTokenizer(model.tokenizer_dir or model.model_dir, max_model_len, eos,
+                                  server_cfg.media)
         tokenizer.warm_up()
         _import_streaming_backend()
-        state = ServerState(engine, AdmissionLimits(
-            max_queued_requests=cfg.max_queued_requests,
-            max_queued_tokens=cfg.max_queued_tokens, step_timeout=cfg.step_timeout))
-        routes = OpenAIRoutes(engine, tokenizer, cfg.served_model_name, {cfg.model_dir},
-                              max_model_len, state, cfg.request_timeout, cfg.task,
-                              embedding_dim, cfg.max_sequences_per_request,
-                              cfg.trust_request_chat_template,
-                              tool_call_parser=cfg.tool_call_parser,
-                              reasoning_parser=cfg.reasoning_parser)
-        if cfg.trust_request_chat_template:
+        state = ServerState(engine, server_cfg.admission)
+        routes = OpenAIRoutes(engine, tokenizer, model.served_model_name, {model.model_dir},
+                              max_model_len, state, server_cfg, model.task, embedding_dim)
+        if server_cfg.trust_request_chat_template:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request
         speech = SpeechRoute(engine, state, [], 0, metrics)
-        app = build_app(state, routes, metrics, api_key=cfg.api_key,
-                        max_request_bytes=cfg.max_request_bytes, speech=speech)
+        app = build_app(state, routes, metrics, api_key=server_cfg.api_key,
+                        max_request_bytes=server_cfg.max_request_bytes, speech=speech)
         server = _Server(uvicorn.Config(
-            app, log_level=cfg.log_level, access_log=cfg.log_level == "debug",
+            app, log_level=server_cfg.log_level, access_log=server_cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
         ))
         tasks = []
@@ -296,7 +242,8 @@ class Launcher:
             tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]
             logger.info("IPC sockets in %s", self.ipc_dir)
-            print(f"loom: serving {cfg.served_model_name} on http://{host}:{port}", flush=True)
+            print(f"loom: serving {model.served_model_name} on http://{host}:{port}",
+                  flush=True)
             await server.serve(sockets=[listen_socket])
         finally:
             for task in tasks:
@@ -308,7 +255,7 @@ class Launcher:
 
     async def _wait_ready(self, engine: EngineClient, watcher: asyncio.Task) -> None:
         ready = asyncio.ensure_future(engine.wait_ready())
-        done, _ = await asyncio.wait({ready, watcher}, timeout=self.cfg.startup_timeout,
+        done, _ = await asyncio.wait({ready, watcher}, timeout=self.cfg.server.startup_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         if ready in done:
             try:
@@ -319,7 +266,8 @@ class Launcher:
         ready.cancel()
         if watcher in done:
             raise StartupError(engine.dead_reason or "a child process died during start-up")
-        raise StartupError(f"the engine did not become ready in {self.cfg.startup_timeout:.0f}s")
+        raise StartupError(f"the engine did not become ready in "
+                           f"{self.cfg.server.startup_timeout:.0f}s")
 
 
 async def _any_exited(children: list[multiprocessing.Process]) -> None:
@@ -345,10 +293,10 @@ def _event_loop_factory():
     return uvloop.new_event_loop
 
 
-def serve(cfg: ServeConfig) -> int:
+def serve(cfg: PipelineConfig) -> int:
     try:
-        check_exposure(cfg)
-        listen_socket = bind_listen_socket(cfg.host, cfg.port)
+        check_exposure(cfg.server)
+        listen_socket = bind_listen_socket(cfg.server.host, cfg.server.port)
     except StartupError as exc:
         print(f"loom: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -51,6 +51,7 @@ from api_server.structured import schema_for_response_format
 from api_server.tokenizer import TextTokenizer
 from api_server.tool_calls import ToolCall
 from api_server.tool_parsers import resolve_tool_call_parser
+from pipelines.config import ServedModelConfig, ServerConfig
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
@@ -74,26 +75,24 @@ def error_response(exc: RequestError) -> Response:
 class OpenAIRoutes:
     def __init__(self, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
                  model_aliases: set[str], max_model_len: int, state: ServerState,
-                 request_timeout: float | None = None, task: str = "generate",
-                 embedding_dim: int | None = None, max_sequences_per_request: int = 256,
-                 trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
-                 reasoning_parser: str = "auto") -> None:
+                 server: ServerConfig = ServerConfig(), task: str = ServedModelConfig.task,
+                 embedding_dim: int | None = None) -> None:
         self.engine = engine
         self.task = task
         self.embedding_dim = embedding_dim
         self.state = state
-        self.request_timeout = request_timeout
+        self.request_timeout = server.request_timeout
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_aliases = model_aliases | {model_name}
         self.max_model_len = max_model_len
-        self.max_sequences_per_request = max_sequences_per_request
-        self.trust_request_chat_template = trust_request_chat_template
+        self.max_sequences_per_request = server.max_sequences_per_request
+        self.trust_request_chat_template = server.trust_request_chat_template
         self.created = int(time.time())
         self.token_text = TokenText(tokenizer.delegate)
         template = getattr(tokenizer.delegate, "chat_template", None)
-        self.tool_call_parser = resolve_tool_call_parser(tool_call_parser, template)
-        self.reasoning_parser = resolve_reasoning_parser(reasoning_parser, template)
+        self.tool_call_parser = resolve_tool_call_parser(server.tool_call_parser, template)
+        self.reasoning_parser = resolve_reasoning_parser(server.reasoning_parser, template)
 
     # ---- /v1/models -------------------------------------------------------------------------
     def model_card(self) -> dict:

@@ -7,17 +7,10 @@ generation routes refuse work (503 or 429, with Retry-After) for the same reason
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from api_server.engine_client import EngineClient
 from api_server.protocol import RequestError
-
-
-@dataclass
-class AdmissionLimits:
-    max_queued_requests: int = 512  # requests sent but not yet producing their first token
-    max_queued_tokens: int = 1_000_000  # their prompt tokens
-    step_timeout: float = 120.0  # work in flight but no step finished for this long: stalled
+from pipelines.config import AdmissionLimits
 
 
 class ServerState:

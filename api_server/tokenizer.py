@@ -20,14 +20,10 @@ import msgspec
 import numpy as np
 
 from api_server.chat_template import TemplateSandbox
-from api_server.image_inputs import (
-    ImagePart,
-    MediaLimits,
-    load_image,
-    take_image_parts,
-)
+from api_server.image_inputs import ImagePart, load_image, take_image_parts
 from api_server.protocol import RequestError, check_depth
 from api_server.vision_processor import load_vision_processor
+from pipelines.config import MediaLimits
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.vision_context import ImageMetadata, TextAndVisionContext

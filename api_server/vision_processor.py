@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from api_server.image_inputs import MediaLimits
 from api_server.protocol import RequestError
+from pipelines.config import MediaLimits
 from pipelines.vision_context import ImageMetadata
 
 VISION_ARCHITECTURES = {"Idefics3ForConditionalGeneration"}

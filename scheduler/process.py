@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from pipelines.config import BatchingConfig, KVCacheConfig
 from pipelines.context import TextContext
 from pipelines.cpu_placement import CpuPlacement
 from pipelines.embeddings import EmbeddingsContext
@@ -66,20 +67,11 @@ from serialization.sockets import (
 logger = logging.getLogger("loom.scheduler")
 
 
-@dataclass
-class SchedulerProcessConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    log_level: str = "info"
-    max_embedding_batch_tokens: int = 8192  # padded tokens per embeddings forward
-    kv_events_endpoint: str | None = None  # publish KV cache events there (off: None)
-    kv_events_topic: str = ""
-
-
 class SchedulerLoop:
-    def __init__(self, cfg: SchedulerProcessConfig, endpoints: Endpoints) -> None:
-        self.cfg = cfg
+    def __init__(self, batching: BatchingConfig, kv_cache: KVCacheConfig,
+                 endpoints: Endpoints) -> None:
+        self.batching = batching
+        self.kv_cache = kv_cache
         self.zctx = zmq.Context()
         self.requests = make_socket(self.zctx, zmq.PULL, endpoints.requests, bind=True,
                                     max_message_bytes=MAX_MESSAGE_BYTES["requests"])
@@ -119,11 +111,11 @@ class SchedulerLoop:
     def open_kv_events(self) -> bool:
         """Bind or connect the KV events socket (while the worker loads, so subscribers are
         connected by the first event); False, reported to the API process, if it can't."""
-        endpoint = self.cfg.kv_events_endpoint
+        endpoint = self.kv_cache.events_endpoint
         if endpoint is None:
             return True
         try:
-            self.kv_publisher = KVEventPublisher(self.zctx, endpoint, self.cfg.kv_events_topic)
+            self.kv_publisher = KVEventPublisher(self.zctx, endpoint, self.kv_cache.events_topic)
         except zmq.ZMQError as exc:
             self.responses.send(self.encode(SchedulerFailed(
                 message=f"--kv-events-endpoint {endpoint}: {exc}")))
@@ -146,18 +138,18 @@ class SchedulerLoop:
     def start(self, ready: WorkerReady) -> None:
         self.voices = ready.voices
         if ready.task == "embed":
-            self.embedder = EmbeddingBatcher(self.cfg.max_embedding_batch_tokens,
-                                             self.cfg.max_num_seqs)
+            self.embedder = EmbeddingBatcher(self.batching.max_embedding_batch_tokens,
+                                             self.batching.max_num_seqs)
         blocks = BlockManager(max(1, ready.num_blocks), max(1, ready.block_size),
-                              self.cfg.enable_prefix_caching,
+                              self.kv_cache.enable_prefix_caching,
                               record_kv_events=self.kv_publisher is not None)
         if self.kv_publisher is not None:
             # A subscriber may still hold blocks of this endpoint's previous process.
             self.kv_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=self.cfg.max_num_seqs,
-                max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                max_num_seqs=self.batching.max_num_seqs,
+                max_num_batched_tokens=self.batching.max_num_batched_tokens,
                 max_model_len=ready.max_model_len,
             ),
             blocks,
@@ -402,15 +394,16 @@ class InflightEmbed:
     request_ids: list[str]
 
 
-def run_scheduler(cfg: SchedulerProcessConfig, endpoints: Endpoints,
-                  placement: CpuPlacement | None = None) -> None:
-    """Entry point of the scheduler process (spawned by `loom serve`)."""
+def run_scheduler(batching: BatchingConfig, kv_cache: KVCacheConfig, log_level: str,
+                  endpoints: Endpoints, placement: CpuPlacement | None = None) -> None:
+    """Entry point of the scheduler process (spawned by `loom serve`), with its part of the
+    configuration."""
     die_with_parent()
     ignore_interrupts()
-    setup_logging(cfg.log_level)
+    setup_logging(log_level)
     if placement is not None:
         placement.enter_service()
-    loop = SchedulerLoop(cfg, endpoints)
+    loop = SchedulerLoop(batching, kv_cache, endpoints)
     ready = loop.open_kv_events() and loop.wait_for_worker()
     if not ready:
         loop.close(linger_ms=1000)  # let SchedulerFailed reach the API process

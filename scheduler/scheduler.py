@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pipelines.config import BatchingConfig
 from pipelines.context import TextContext
 from pipelines.response import LogProbabilities, RequestTimings, TextGenerationOutput
 from pipelines.status import GenerationStatus
@@ -34,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64  # requests in one step
-    max_num_batched_tokens: int = 512  # tokens in one step (the per-step token budget)
+    """The scheduling policy's limits: the configuration's batching, and the context length
+    resolved against the model."""
+
+    max_num_seqs: int = BatchingConfig.max_num_seqs
+    max_num_batched_tokens: int = BatchingConfig.max_num_batched_tokens
     max_model_len: int = 8192
 
 

@@ -42,18 +42,21 @@ def test_network_facing_host_needs_an_api_key(tiny_model_dir):
 
 
 def test_which_hosts_count_as_loopback():
-    from api_server.launcher import ServeConfig, StartupError, check_exposure, is_loopback
+    import dataclasses
+
+    from api_server.launcher import StartupError, check_exposure, is_loopback
+    from pipelines.config import ServerConfig
 
     for host in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"):
         assert is_loopback(host), host
     for host in ("0.0.0.0", "::", "", "10.0.0.5", "192.168.1.1", "example.com",
                  "::ffff:1.2.3.4"):
         assert not is_loopback(host), host
-    cfg = ServeConfig(model_dir="m", served_model_name="m", host="0.0.0.0")
+    cfg = ServerConfig(host="0.0.0.0")
     with pytest.raises(StartupError):
         check_exposure(cfg)
     for allowed in (dict(api_key="k"), dict(allow_unauthenticated=True), dict(host="::1")):
-        check_exposure(ServeConfig(**{**cfg.__dict__, **allowed}))
+        check_exposure(dataclasses.replace(cfg, **allowed))
 
 
 def test_wrong_model_path_is_one_clear_line(tmp_path):

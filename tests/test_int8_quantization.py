@@ -57,7 +57,7 @@ def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir):
 
 
 def _config(*args):
-    return serve_config_from_args(build_parser().parse_args(["serve", *args]))
+    return serve_config_from_args(build_parser().parse_args(["serve", *args])).model
 
 
 def test_weight_flags_resolve_as_documented(smollm2_dir, tmp_path):

@@ -21,9 +21,9 @@ import torch
 import transformers
 from PIL import Image
 
-from api_server.image_inputs import MediaLimits
 from api_server.tokenizer import TextTokenizer
 from pipelines import SamplingParams
+from pipelines.config import MediaLimits
 from pipelines.request import TokenGeneratorRequest
 from pipelines.vision_context import ImageMetadata, TextAndVisionContext
 from scheduler.block_manager import BlockManager

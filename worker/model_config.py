@@ -7,6 +7,14 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from pipelines.config import (
+    BatchingConfig,
+    KVCacheConfig,
+    PipelineConfig,
+    ServedModelConfig,
+    SpeechConfig,
+)
+
 # Architectures Loom runs, with what sets them apart (the defaults of their Hugging Face
 # configs); worker/models/registry.py picks the implementation: the Llama family's, or Gemma 3's.
 SUPPORTED_ARCHITECTURES = {
@@ -90,19 +98,28 @@ class ModelConfig:
 
 @dataclass
 class RunnerConfig:
+    """The worker's part of the configuration (pipelines/config.py, where the defaults are)."""
+
     model_dir: str  # a checkpoint directory or a GGUF file
-    dtype: str = "float32"  # activations and KV cache; dense weights too
-    # None: dense weights in `dtype`; "gguf": a GGUF file's blocks as they are; "int8": a
-    # checkpoint's projections quantized to Q8_0 blocks at load time.
-    quantization: str | None = None
-    tokenizer_dir: str | None = None  # default: model_dir
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    kv_cache_memory: int | None = None  # bytes; None = derived from free RAM
-    task: str = "generate"  # "generate" (a causal LM) or "embed" (a sentence encoder)
-    speech: bool = True  # also serve the default voice, when the [tts] extra is installed
-    speech_noise: bool = True  # False: noise scales 0, deterministic audio (for testing)
+    dtype: str = ServedModelConfig.dtype
+    quantization: str | None = ServedModelConfig.quantization  # None, "gguf" or "int8"
+    tokenizer_dir: str | None = ServedModelConfig.tokenizer_dir
+    block_size: int = KVCacheConfig.block_size
+    max_model_len: int | None = ServedModelConfig.max_model_len
+    max_num_seqs: int = BatchingConfig.max_num_seqs  # (sizes the default KV cache)
+    kv_cache_memory: int | None = KVCacheConfig.memory
+    task: str = ServedModelConfig.task
+    speech: bool = SpeechConfig.enabled
+    speech_noise: bool = SpeechConfig.noise
+
+    @classmethod
+    def from_pipeline(cls, cfg: PipelineConfig) -> "RunnerConfig":
+        m = cfg.model
+        return cls(model_dir=m.model_dir, dtype=m.dtype, quantization=m.quantization,
+                   tokenizer_dir=m.tokenizer_dir, block_size=cfg.kv_cache.block_size,
+                   max_model_len=m.max_model_len, max_num_seqs=cfg.batching.max_num_seqs,
+                   kv_cache_memory=cfg.kv_cache.memory, task=m.task,
+                   speech=cfg.speech.enabled, speech_noise=cfg.speech.noise)
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:

@@ -8,6 +8,7 @@ preemption) and model runner, without the processes: for scripts, notebooks and 
 
 from __future__ import annotations
 
+from pipelines.config import BatchingConfig
 from pipelines.context import TextContext
 from pipelines.response import TextResponse
 from scheduler.block_manager import BlockManager
@@ -18,7 +19,7 @@ from worker.model_runner import ModelRunner
 
 class TextGenerationPipeline:
     def __init__(self, config: RunnerConfig, enable_prefix_caching: bool = True,
-                 max_num_batched_tokens: int = 512) -> None:
+                 max_num_batched_tokens: int = BatchingConfig.max_num_batched_tokens) -> None:
         self.runner = ModelRunner(config)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                    enable_prefix_caching)

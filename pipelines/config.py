@@ -1,0 +1,97 @@
+"""The server's configuration: one frozen tree, built once from `loom serve`'s flags (the CLI's
+defaults are read from here), and each process handed its part.
+
+`PipelineConfig` and `KVCacheConfig` are MAX's names (max.pipelines); the rest group what one
+role reads: the worker takes `model`, `kv_cache`, `device` and `speech` (as its
+`RunnerConfig`), the scheduler `batching` and `kv_cache`, the API process `server`. Every
+default is written once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServedModelConfig:
+    model_dir: str  # a checkpoint directory or a GGUF file
+    served_model_name: str
+    tokenizer_dir: str | None = None  # default: model_dir (a GGUF file's: a cache directory)
+    dtype: str = "float32"  # activations and KV cache; dense weights too
+    # None: dense weights in `dtype`; "gguf": a GGUF file's blocks as they are; "int8": a
+    # checkpoint's projections quantized to Q8_0 blocks at load time.
+    quantization: str | None = None
+    max_model_len: int | None = None  # None: the model's own
+    task: str = "generate"  # "generate" (a causal LM) or "embed" (a sentence encoder)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    block_size: int = 16  # tokens per block (MAX: kv_cache_page_size)
+    memory: int | None = None  # bytes; None: derived from the RAM free after the weights
+    enable_prefix_caching: bool = True
+    events_endpoint: str | None = None  # publish KV cache events there (off: None)
+    events_topic: str = ""
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_num_seqs: int = 64  # requests in one step
+    max_num_batched_tokens: int = 512  # tokens in one step (longer prompts go in chunks)
+    max_embedding_batch_tokens: int = 8192  # padded tokens per embeddings forward
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    num_threads: int | None = None  # the worker's; None: every core
+    cpu_placement: bool = True  # bind the worker's threads, keep the others off its core
+
+
+@dataclass(frozen=True)
+class SpeechConfig:
+    enabled: bool = True  # serve the default voice beside a text model ([tts] extra)
+    noise: bool = True  # False: noise scales 0, deterministic audio
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_queued_requests: int = 512  # requests sent but not yet producing their first token
+    max_queued_tokens: int = 1_000_000  # their prompt tokens
+    step_timeout: float = 120.0  # work in flight but no step finished for this long: stalled
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_images: int = 4  # per request (vLLM's --limit-mm-per-prompt)
+    max_image_bytes: int = 20_000_000  # of an image file, after base64 decoding
+    max_image_pixels: int = 40_000_000
+    allowed_local_media_path: str | None = None  # file:// URLs only inside it; None: refused
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    allow_unauthenticated: bool = False
+    log_level: str = "info"
+    startup_timeout: float = 300.0
+    shutdown_timeout: float = 10.0
+    request_timeout: float | None = None
+    max_request_bytes: int = 16 << 20
+    max_sequences_per_request: int = 256
+    trust_request_chat_template: bool = False
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    media: MediaLimits = field(default_factory=MediaLimits)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    model: ServedModelConfig
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    speech: SpeechConfig = field(default_factory=SpeechConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
