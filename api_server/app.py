@@ -22,6 +22,7 @@ from api_server.protocol import RequestError
 from api_server.responses_route import ResponsesRoute
 from api_server.server_state import ServerState
 from api_server.speech_route import SpeechRoute
+from pipelines.status import PipelineTask
 
 logger = logging.getLogger("loom.api")
 
@@ -52,7 +53,8 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
         return json_response(openapi_doc)
 
     extra = ExtraRoutes(routes)
-    embeddings = EmbeddingsRoute(routes, routes.engine, routes.task == "embed")
+    embeddings = EmbeddingsRoute(routes, routes.engine,
+                                 routes.task is PipelineTask.EMBEDDINGS_GENERATION)
     speech = speech or SpeechRoute(routes.engine, state, [], 0, metrics)
     routes.extra_model_cards = speech.model_cards
     responses = ResponsesRoute(routes)

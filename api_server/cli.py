@@ -20,6 +20,7 @@ from pipelines.config import (
     ServerConfig,
     SpeechConfig,
 )
+from pipelines.status import PipelineTask
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="memory for the KV cache, e.g. 2GiB; default: 40%% of the RAM available "
                         "after loading the weights, at most 4 GiB")
-    s.add_argument("--block-size", type=int, default=KVCacheConfig.block_size, help="tokens per KV cache block")
+    s.add_argument("--block-size", type=int, default=KVCacheConfig.block_size,
+                   help="tokens per KV cache block")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse KV blocks of shared prompt prefixes")
     s.add_argument("--kv-events-endpoint", default=None,
@@ -114,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes tool calls; auto reads the chat template "
                         "(<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: "
                         "llama3_json; else hermes, the format taught to templates without tools)")
-    s.add_argument("--reasoning-parser", default=ServerConfig.reasoning_parser, choices=["auto", "think", "none"],
+    s.add_argument("--reasoning-parser", default=ServerConfig.reasoning_parser,
+                   choices=["auto", "think", "none"],
                    help="split <think>...</think> reasoning from the answer "
                         "(reasoning_content, reasoning items, thinking blocks); auto: when "
                         "the chat template uses the tags")
@@ -278,12 +281,16 @@ def resolve_model_alias(model: str) -> str:
     return os.path.abspath(os.path.expanduser(model))
 
 
-def resolve_task(task: str, model_dir: str) -> str:
+# --task takes vLLM's names.
+TASKS = {"generate": PipelineTask.TEXT_GENERATION, "embed": PipelineTask.EMBEDDINGS_GENERATION}
+
+
+def resolve_task(task: str, model_dir: str) -> PipelineTask:
     if task != "auto":
-        return task
+        return TASKS[task]
     from worker.model_config import detect_task
 
-    return detect_task(model_dir) if os.path.isdir(model_dir) else "generate"
+    return detect_task(model_dir) if os.path.isdir(model_dir) else PipelineTask.TEXT_GENERATION
 
 
 def check_model(model: ServedModelConfig) -> ServedModelConfig:
@@ -294,7 +301,7 @@ def check_model(model: ServedModelConfig) -> ServedModelConfig:
 
     path = model.model_dir
     if is_gguf(path):
-        if model.task == "embed":
+        if model.task is PipelineTask.EMBEDDINGS_GENERATION:
             raise StartupError(f"--model {path}: a GGUF file serves --task generate")
         try:  # the header first: a broken file is named as such, not by the tokenizer
             resolve_max_model_len(load_model_config(path), model.max_model_len)
@@ -304,7 +311,7 @@ def check_model(model: ServedModelConfig) -> ServedModelConfig:
     if not os.path.isdir(path):
         raise StartupError(f"--model {path}: no such directory")
     try:
-        if model.task == "embed":
+        if model.task is PipelineTask.EMBEDDINGS_GENERATION:
             from worker.models.bert_config import BertConfig
 
             BertConfig.from_dir(path)

@@ -32,6 +32,7 @@ from api_server.tokenizer import TextTokenizer
 from pipelines.config import PipelineConfig, ServerConfig
 from pipelines.cpu_placement import CpuPlacement
 from pipelines.lifecycle import freeze_startup_heap
+from pipelines.status import PipelineTask
 from scheduler.process import run_scheduler
 from serialization.sockets import Endpoints, make_private_ipc_dir
 from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
@@ -205,7 +206,7 @@ class Launcher:
         engine = EngineClient(self.endpoints, metrics)
         engine.start()
         embedding_dim = None
-        if model.task == "embed":
+        if model.task is PipelineTask.EMBEDDINGS_GENERATION:
             bert = BertConfig.from_dir(model.model_dir)
             max_model_len, embedding_dim, eos = bert.max_seq_length, bert.hidden_size, []
         else:

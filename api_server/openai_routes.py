@@ -55,6 +55,7 @@ from pipelines.config import ServedModelConfig, ServerConfig
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
+from pipelines.status import PipelineTask
 
 logger = logging.getLogger("loom.api")
 
@@ -75,7 +76,8 @@ def error_response(exc: RequestError) -> Response:
 class OpenAIRoutes:
     def __init__(self, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
                  model_aliases: set[str], max_model_len: int, state: ServerState,
-                 server: ServerConfig = ServerConfig(), task: str = ServedModelConfig.task,
+                 server: ServerConfig = ServerConfig(),
+                 task: PipelineTask = ServedModelConfig.task,
                  embedding_dim: int | None = None) -> None:
         self.engine = engine
         self.task = task
@@ -117,7 +119,7 @@ class OpenAIRoutes:
                                code="model_not_found")
 
     def _check_generates(self) -> None:
-        if self.task != "generate":
+        if self.task is not PipelineTask.TEXT_GENERATION:
             raise RequestError(f"the model `{self.model_name}` serves embeddings; use "
                                f"/v1/embeddings", param="model")
 

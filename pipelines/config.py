@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipelines.status import PipelineTask
+
 
 @dataclass(frozen=True)
 class ServedModelConfig:
@@ -22,7 +24,8 @@ class ServedModelConfig:
     # checkpoint's projections quantized to Q8_0 blocks at load time.
     quantization: str | None = None
     max_model_len: int | None = None  # None: the model's own
-    task: str = "generate"  # "generate" (a causal LM) or "embed" (a sentence encoder)
+    # TEXT_GENERATION (a causal LM) or EMBEDDINGS_GENERATION (a sentence encoder)
+    task: PipelineTask = PipelineTask.TEXT_GENERATION
 
 
 @dataclass(frozen=True)

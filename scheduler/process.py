@@ -31,6 +31,7 @@ from pipelines.lifecycle import (
     ignore_interrupts,
     setup_logging,
 )
+from pipelines.status import PipelineTask
 from pipelines.tts_context import TTSContext
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
@@ -137,7 +138,7 @@ class SchedulerLoop:
 
     def start(self, ready: WorkerReady) -> None:
         self.voices = ready.voices
-        if ready.task == "embed":
+        if ready.task is PipelineTask.EMBEDDINGS_GENERATION:
             self.embedder = EmbeddingBatcher(self.batching.max_embedding_batch_tokens,
                                              self.batching.max_num_seqs)
         blocks = BlockManager(max(1, ready.num_blocks), max(1, ready.block_size),

@@ -22,6 +22,7 @@ from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
+from pipelines.status import PipelineTask
 from pipelines.tts_context import TTSContext
 from pipelines.vision_context import TextAndVisionContext
 
@@ -84,7 +85,7 @@ class SchedulerReady(msgspec.Struct, tag=True):
     num_blocks: int
     block_size: int
     max_model_len: int
-    task: str = "generate"
+    task: PipelineTask = PipelineTask.TEXT_GENERATION
     voices: list[str] = []
     sample_rate: int = 0
 
@@ -218,7 +219,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     block_size: int
     max_model_len: int
     eos_token_ids: list[int]
-    task: str = "generate"  # or "embed"
+    task: PipelineTask = PipelineTask.TEXT_GENERATION
     voices: list[str] = []  # speech voices the worker serves (empty: no speech)
     sample_rate: int = 0
 

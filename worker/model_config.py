@@ -14,6 +14,7 @@ from pipelines.config import (
     ServedModelConfig,
     SpeechConfig,
 )
+from pipelines.status import PipelineTask
 
 # Architectures Loom runs, with what sets them apart (the defaults of their Hugging Face
 # configs); worker/models/registry.py picks the implementation: the Llama family's, or Gemma 3's.
@@ -108,7 +109,7 @@ class RunnerConfig:
     max_model_len: int | None = ServedModelConfig.max_model_len
     max_num_seqs: int = BatchingConfig.max_num_seqs  # (sizes the default KV cache)
     kv_cache_memory: int | None = KVCacheConfig.memory
-    task: str = ServedModelConfig.task
+    task: PipelineTask = ServedModelConfig.task
     speech: bool = SpeechConfig.enabled
     speech_noise: bool = SpeechConfig.noise
 
@@ -138,9 +139,9 @@ def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
 ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
 
 
-def detect_task(model_dir: str) -> str:
-    """"embed" for a BERT-style encoder or a sentence-transformers checkpoint, else
-    "generate"."""
+def detect_task(model_dir: str) -> PipelineTask:
+    """EMBEDDINGS_GENERATION for a BERT-style encoder or a sentence-transformers checkpoint,
+    else TEXT_GENERATION."""
     path = os.path.join(model_dir, "config.json")
     raw = {}
     if os.path.isfile(path):
@@ -148,11 +149,11 @@ def detect_task(model_dir: str) -> str:
             raw = json.load(f)
     archs = set(raw.get("architectures") or [])
     if archs & ENCODER_ARCHITECTURES or raw.get("model_type") == "bert":
-        return "embed"
+        return PipelineTask.EMBEDDINGS_GENERATION
     if os.path.isfile(os.path.join(model_dir, "modules.json")) and not archs & set(
             SUPPORTED_ARCHITECTURES):
-        return "embed"
-    return "generate"
+        return PipelineTask.EMBEDDINGS_GENERATION
+    return PipelineTask.TEXT_GENERATION
 
 
 def load_model_config(model_dir: str) -> ModelConfig:

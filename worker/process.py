@@ -16,6 +16,7 @@ from pipelines.lifecycle import (
     ignore_interrupts,
     setup_logging,
 )
+from pipelines.status import PipelineTask
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioResult,
@@ -61,7 +62,7 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     speech = None
     try:
         runner = _load_runner(runner_config)
-        if runner_config.task == "generate" and runner_config.speech:
+        if runner_config.task is PipelineTask.TEXT_GENERATION and runner_config.speech:
             from worker.speech_runner import SpeechRunner
 
             if SpeechRunner.available():
@@ -130,7 +131,7 @@ def _deferred_start_up(runner, prefault):
 
 
 def _load_runner(cfg):
-    if cfg.task == "embed":
+    if cfg.task is PipelineTask.EMBEDDINGS_GENERATION:
         from worker.embedding_runner import EmbeddingRunner
 
         return EmbeddingRunner(cfg.model_dir, cfg.dtype)
@@ -139,10 +140,10 @@ def _load_runner(cfg):
     return ModelRunner(cfg)
 
 
-def _ready_message(runner, task: str) -> WorkerReady:
-    if task == "embed":
+def _ready_message(runner, task: PipelineTask) -> WorkerReady:
+    if task is PipelineTask.EMBEDDINGS_GENERATION:
         return WorkerReady(num_blocks=0, block_size=0, max_model_len=runner.max_model_len,
-                           eos_token_ids=[], task="embed")
+                           eos_token_ids=[], task=PipelineTask.EMBEDDINGS_GENERATION)
     return WorkerReady(num_blocks=runner.num_blocks, block_size=runner.block_size,
                        max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
 
