@@ -54,7 +54,7 @@ class AnthropicRoute:
         routes = self.routes
         try:
             req = decode_body(await request.body(), CountTokensRequest)
-            routes._check_model(req.model)
+            routes.check_model(req.model)
             routes._check_generates()
             run = await prepare_chat(routes, self._job(req, SamplingFields(), None))
         except RequestError as exc:
@@ -65,7 +65,7 @@ class AnthropicRoute:
         routes = self.routes
         try:
             req = decode_body(await request.body(), MessagesRequest)
-            routes._check_model(req.model)
+            routes.check_model(req.model)
             routes._check_generates()
             routes._check_engine()
             routes._check_sequences(1, "messages")

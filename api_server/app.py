@@ -55,8 +55,7 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
     extra = ExtraRoutes(routes)
     embeddings = EmbeddingsRoute(routes, routes.engine,
                                  routes.task is PipelineTask.EMBEDDINGS_GENERATION)
-    speech = speech or SpeechRoute(routes.engine, state, [], 0, metrics)
-    routes.extra_model_cards = speech.model_cards
+    speech = speech or SpeechRoute(routes.engine, state, metrics)
     responses = ResponsesRoute(routes)
     messages = AnthropicRoute(routes)
 

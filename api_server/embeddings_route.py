@@ -44,7 +44,7 @@ class EmbeddingsRoute:
     async def create(self, request: Request) -> Response:
         try:
             req = decode_body(await request.body(), EmbeddingRequest)
-            self.routes._check_model(req.model)
+            self.routes.check_model(req.model)
             if not self.serves_embeddings:
                 raise RequestError(f"the model `{self.routes.model_name}` generates text; serve "
                                    f"an embeddings model for /v1/embeddings", param="model")

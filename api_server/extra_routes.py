@@ -38,7 +38,7 @@ class ExtraRoutes:
             if card["id"] == model:
                 return json_response(card)
         try:
-            self.routes._check_model(model)
+            self.routes.check_model(model)
         except RequestError as exc:
             return error_response(exc)
         return json_response(self.routes.model_card())
@@ -46,7 +46,7 @@ class ExtraRoutes:
     async def tokenize(self, request: Request) -> Response:
         try:
             req = decode_body(await request.body(), TokenizeRequest)
-            self.routes._check_model(req.model)
+            self.routes.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise RequestError("give exactly one of prompt or messages", param="prompt")
             if req.messages is not None:
@@ -67,7 +67,7 @@ class ExtraRoutes:
     async def detokenize(self, request: Request) -> Response:
         try:
             req = decode_body(await request.body(), DetokenizeRequest)
-            self.routes._check_model(req.model)
+            self.routes.check_model(req.model)
             if len(req.tokens) > 4 * self.routes.max_model_len:
                 raise RequestError(f"at most {4 * self.routes.max_model_len} tokens",
                                    param="tokens")

@@ -218,12 +218,13 @@ class Launcher:
         tokenizer.warm_up()
         _import_streaming_backend()
         state = ServerState(engine, server_cfg.admission)
+        speech = SpeechRoute(engine, state, metrics)
         routes = OpenAIRoutes(engine, tokenizer, model.served_model_name, {model.model_dir},
-                              max_model_len, state, server_cfg, model.task, embedding_dim)
+                              max_model_len, state, server_cfg, model.task, embedding_dim,
+                              extra_model_cards=speech.model_cards)
         if server_cfg.trust_request_chat_template:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request
-        speech = SpeechRoute(engine, state, [], 0, metrics)
         app = build_app(state, routes, metrics, api_key=server_cfg.api_key,
                         max_request_bytes=server_cfg.max_request_bytes, speech=speech)
         server = _Server(uvicorn.Config(
@@ -238,7 +239,6 @@ class Launcher:
         freeze_startup_heap()  # while the worker still loads: off the start-up path
         try:
             await self._wait_ready(engine, watcher)
-            speech.voices, speech.sample_rate = engine.ready.voices, engine.ready.sample_rate
             metrics.observe_cache_config(engine.ready.block_size, engine.ready.num_blocks)
             tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]

@@ -78,8 +78,10 @@ class OpenAIRoutes:
                  model_aliases: set[str], max_model_len: int, state: ServerState,
                  server: ServerConfig = ServerConfig(),
                  task: PipelineTask = ServedModelConfig.task,
-                 embedding_dim: int | None = None) -> None:
+                 embedding_dim: int | None = None,
+                 extra_model_cards: Callable[[int], list[dict]] = lambda created: []) -> None:
         self.engine = engine
+        self.extra_model_cards = extra_model_cards  # other models served beside (the voices)
         self.task = task
         self.embedding_dim = embedding_dim
         self.state = state
@@ -106,14 +108,13 @@ class OpenAIRoutes:
                 "max_model_len": self.max_model_len,
                 "input_modalities": ["text", "image"] if takes_images else ["text"]}
 
-    extra_model_cards = staticmethod(lambda created: [])  # set by the app: the voices
 
     async def list_models(self, request: Request) -> Response:
         cards = [self.model_card(), *self.extra_model_cards(self.created)]
         return json_response({"object": "list", "data": cards})
 
     # ---- shared -----------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:
             raise RequestError(f"the model `{model}` does not exist", param="model", status=404,
                                code="model_not_found")
@@ -218,7 +219,7 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         try:
             req = decode_body(await request.body(), CompletionRequest)
-            self._check_model(req.model)
+            self.check_model(req.model)
             self._check_generates()
             if req.suffix:
                 raise RequestError("suffix is not supported", param="suffix")
@@ -288,7 +289,7 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         try:
             req = decode_body(await request.body(), ChatCompletionRequest)
-            self._check_model(req.model)
+            self.check_model(req.model)
             self._check_generates()
             if not req.messages:
                 raise RequestError("messages must not be empty", param="messages")

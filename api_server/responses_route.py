@@ -47,7 +47,7 @@ class ResponsesRoute:
         routes = self.routes
         try:
             req = decode_body(await request.body(), ResponsesRequest)
-            routes._check_model(req.model)
+            routes.check_model(req.model)
             routes._check_generates()
             check_supported(req)
             routes._check_engine()

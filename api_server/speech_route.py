@@ -52,13 +52,19 @@ def wav_header(sample_rate: int) -> bytes:
 
 
 class SpeechRoute:
-    def __init__(self, engine: EngineClient, state: ServerState, voices: list[str],
-                 sample_rate: int, metrics) -> None:
+    def __init__(self, engine: EngineClient, state: ServerState, metrics) -> None:
         self.engine = engine
         self.state = state
-        self.voices = voices
-        self.sample_rate = sample_rate
         self.metrics = metrics
+
+    @property
+    def voices(self) -> list[str]:
+        """The voices the worker loaded (none until the engine is ready)."""
+        return self.engine.ready.voices if self.engine.ready is not None else []
+
+    @property
+    def sample_rate(self) -> int:
+        return self.engine.ready.sample_rate if self.engine.ready is not None else 0
 
     def model_cards(self, created: int) -> list[dict]:
         return [{"id": v, "object": "model", "created": created, "owned_by": "loom",

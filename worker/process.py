@@ -24,6 +24,7 @@ from serialization.messages import (
     EmbedResult,
     EmbedStep,
     Shutdown,
+    StepBatch,
     StepMessage,
     StepResult,
     WorkerFailed,
@@ -111,8 +112,7 @@ def answer_step(runner, speech, msg, started: float):
     """The result of one step. A step that raises (a bad step the runner refuses included) is
     answered with an error result for its requests, and the worker goes on to the next."""
     try:
-        result = speech.next_chunk(msg) if isinstance(msg, AudioStep) and speech \
-            else _run_step(runner, msg)
+        result = STEP_HANDLERS[type(msg)](runner, speech, msg)
     except Exception as exc:
         logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
         result = _failed(msg, f"{type(exc).__name__}: {exc}")
@@ -148,15 +148,25 @@ def _ready_message(runner, task: PipelineTask) -> WorkerReady:
                        max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
 
 
-def _run_step(runner, msg):
-    if isinstance(msg, AudioStep):
-        raise RuntimeError("this worker serves no voice")
-    if isinstance(msg, EmbedStep):
-        import numpy as np
-
-        inputs = np.split(msg.input_ids, np.cumsum(msg.lengths)[:-1])
-        return EmbedResult(step_id=msg.step_id, embeddings=runner.encode(inputs))
+def _text_step(runner, speech, msg: StepBatch) -> StepResult:
     return runner.next_token(msg)
+
+
+def _embed_step(runner, speech, msg: EmbedStep) -> EmbedResult:
+    import numpy as np
+
+    inputs = np.split(msg.input_ids, np.cumsum(msg.lengths)[:-1])
+    return EmbedResult(step_id=msg.step_id, embeddings=runner.encode(inputs))
+
+
+def _audio_step(runner, speech, msg: AudioStep) -> AudioResult:
+    if speech is None:
+        raise RuntimeError("this worker serves no voice")
+    return speech.next_chunk(msg)
+
+
+# Each step type the scheduler sends, and what runs it: (runner, speech runner, step) -> result.
+STEP_HANDLERS = {StepBatch: _text_step, EmbedStep: _embed_step, AudioStep: _audio_step}
 
 
 def _failed(msg, error: str):
