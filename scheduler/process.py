@@ -35,6 +35,7 @@ from pipelines.status import PipelineTask
 from pipelines.tts_context import TTSContext
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
+from scheduler.fair_share import FairShare
 from scheduler.kv_events import AllBlocksCleared, KVEventPublisher
 from scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from scheduler.speech_queue import SpeechQueue
@@ -94,8 +95,7 @@ class SchedulerLoop:
         self.embedder: EmbeddingBatcher | None = None  # when the worker serves embeddings
         self.speech = SpeechQueue()
         self.voices: list[str] = []
-        # Worker time spent on text and on speech while both had work: each gets half.
-        self._busy = {"text": 0.0, "audio": 0.0}
+        self.fair_share = FairShare()  # text and speech waiting together: half the worker each
         # Steps sent to the worker, oldest first: at most two text steps (one running, one
         # queued behind it), or one embeddings or speech step.
         self.inflight: deque[ScheduledStep | InflightEmbed | InflightAudio] = deque()
@@ -235,7 +235,7 @@ class SchedulerLoop:
         self.inflight.popleft()
         self._last_finished_at = result.finished_at
         forward = result.finished_at - result.started_at
-        self._busy["text"] += forward
+        self.fair_share.record("text", forward)
         self._iteration_tokens.append(int(step.batch.query_lens.sum()))
         if (step.batch.query_lens > 1).any():
             self._prefill_forward_times.append(forward)
@@ -298,7 +298,7 @@ class SchedulerLoop:
             return
         self.inflight.popleft()
         seconds = result.finished_at - result.started_at
-        self._busy["audio"] += seconds
+        self.fair_share.record("audio", seconds)
         ctx = inflight.ctx
         ctx.decoded_index += 1
         failed = result.error is not None
@@ -320,13 +320,7 @@ class SchedulerLoop:
 
     def _audio_turn(self) -> bool:
         """Speech or text next? Alone, either runs; together they split the worker's time."""
-        if not self.speech.has_work:
-            self._busy = {"text": 0.0, "audio": 0.0}
-            return False
-        if not self.scheduler.has_work:
-            self._busy = {"text": 0.0, "audio": 0.0}
-            return True
-        return self._busy["audio"] <= self._busy["text"]
+        return self.fair_share.audio_next(self.scheduler.has_work, self.speech.has_work)
 
     def _start_next_step(self) -> bool:
         if self.embedder is not None:

@@ -124,3 +124,19 @@ def test_prefix_cache_hit_skips_computed_blocks():
     # 12 of 13 tokens were cached (3 full blocks): only the last one is fed.
     assert step.batch.query_lens.tolist() == [1] and step.batch.seq_lens.tolist() == [13]
     assert s.blocks.prefix_hits == 12
+
+
+def test_fair_share_splits_the_worker_between_text_and_speech():
+    from scheduler.fair_share import FairShare
+
+    share = FairShare()
+    assert share.audio_next(text_waiting=False, audio_waiting=True)
+    assert not share.audio_next(text_waiting=True, audio_waiting=False)
+    turns = []
+    for _ in range(12):  # both waiting: text steps of 10 ms, speech chunks of 30 ms
+        audio = share.audio_next(True, True)
+        share.record("audio" if audio else "text", 0.03 if audio else 0.01)
+        turns.append(audio)
+    assert turns.count(False) == 3 * turns.count(True)  # equal time, not equal turns
+    share.audio_next(False, True)  # text done: the account starts again
+    assert share.busy == {"text": 0.0, "audio": 0.0}

@@ -1,0 +1,20 @@
+"""How text and speech share the one worker when both have work: each gets half its time."""
+
+from __future__ import annotations
+
+
+class FairShare:
+    """The kind of work that has used less of the worker's time while both waited goes next;
+    either kind alone runs back to back (and the account starts again)."""
+
+    def __init__(self) -> None:
+        self.busy = {"text": 0.0, "audio": 0.0}
+
+    def record(self, kind: str, seconds: float) -> None:
+        self.busy[kind] += seconds
+
+    def audio_next(self, text_waiting: bool, audio_waiting: bool) -> bool:
+        if not (text_waiting and audio_waiting):
+            self.busy = {"text": 0.0, "audio": 0.0}
+            return audio_waiting
+        return self.busy["audio"] <= self.busy["text"]
