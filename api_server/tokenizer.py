@@ -247,6 +247,7 @@ class TextTokenizer:
 # Longer prompts are tokenized on a worker thread (the tokenizer releases the GIL), so a
 # megabyte of text doesn't hold up every other client's stream.
 INLINE_TOKENIZE_CHARS = 32_768
+TEXT_ONLY = "this model reads text only, not images"
 
 
 def _flatten_content(message: dict, index: int, image_token: str | None = None,
@@ -258,7 +259,12 @@ def _flatten_content(message: dict, index: int, image_token: str | None = None,
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
+            # An image reaches here only on a text model (a vision model's were taken out).
+            if isinstance(part, ImagePart):  # (from /v1/responses or /v1/messages)
+                raise RequestError(TEXT_ONLY, param=part.param)
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                raise RequestError(TEXT_ONLY, param=f"messages[{index}].content[{i}]")
             if kind == "image" and image_token is not None:  # (from take_image_parts)
                 parts.append({"type": "image"})
             elif kind == "text" and isinstance(part.get("text"), str):
