@@ -27,10 +27,10 @@ from api_server.image_inputs import (
     take_image_parts,
 )
 from api_server.protocol import RequestError, check_depth
-from api_server.vision_processor import load_vision_processor
+from api_server.vision_processor import VisionPrompt, load_vision_processor
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
-from pipelines.vision_context import ImageMetadata, TextAndVisionContext
+from pipelines.vision_context import TextAndVisionContext
 
 
 def load_hf_tokenizer(model_dir: str):
@@ -175,8 +175,7 @@ class TextTokenizer:
         self.check_prompt_chars(chars, "messages")
         return messages
 
-    async def _vision_inputs(self, text: str, parts: list[ImagePart],
-                             ) -> tuple[np.ndarray, list[ImageMetadata]]:
+    async def _vision_inputs(self, text: str, parts: list[ImagePart]) -> VisionPrompt:
         """Fetch and decode the images, then let the model's processor expand the prompt
         (Pillow and the resizing release the GIL: off the event loop)."""
         def work():
@@ -186,7 +185,7 @@ class TextTokenizer:
         return await asyncio.to_thread(work)
 
     async def new_context(self, request: TokenGeneratorRequest) -> TextContext:
-        images: list[ImageMetadata] = []
+        vision: VisionPrompt | None = None
         if request.messages is not None:
             messages, parts = list(request.messages), []
             if self.vision is not None:
@@ -194,7 +193,8 @@ class TextTokenizer:
             text = await self.render_prompt(messages, request.tools,
                                             request.chat_template_options)
             if parts:
-                ids, images = await self._vision_inputs(text, parts)
+                vision = await self._vision_inputs(text, parts)
+                ids = vision.token_ids
             else:
                 ids = await self.encode(text, add_special_tokens=False)
         elif isinstance(request.prompt, str):
@@ -238,9 +238,10 @@ class TextTokenizer:
             log_probabilities_echo=request.echo,
             json_schema=json_schema,
         )
-        if images:
+        if vision is not None and vision.images:
             return TextAndVisionContext(**fields, vision_token_ids=self.vision.vision_token_ids,
-                                        images=images)
+                                        images=vision.images,
+                                        extra_model_args=vision.extra_model_args)
         return TextContext(**fields)
 
 
