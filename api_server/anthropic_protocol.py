@@ -1,7 +1,8 @@
 """The bodies of Anthropic's POST /v1/messages and /v1/messages/count_tokens, and their
 conversion into the chat form the shared pipeline takes.
 
-Content blocks map onto chat messages: `text` blocks are the message's text, an assistant's
+Content blocks map onto chat messages: `text` blocks are the message's text, a user's `image`
+blocks chat's image parts (`ImagePart`, named `messages[i].content[j]`), an assistant's
 `tool_use` blocks its tool calls, a user's `tool_result` blocks tool messages (in block order).
 Thinking blocks sent back are not shown to the model again, as chat templates drop past
 thoughts.
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from api_server.image_inputs import ImagePart
 from api_server.protocol import (
     MAX_TOOLS,
     NonNegativeInt,
@@ -186,18 +188,22 @@ def _assistant(blocks: list, param: str) -> dict:
 
 def _user(blocks: list, param: str) -> list[dict]:
     out: list[dict] = []
-    texts: list[str] = []
+    parts: list[dict | ImagePart] = []  # of the user message being gathered
 
     def flush():
-        if texts:
-            out.append({"role": "user", "content": "".join(texts)})
-            texts.clear()
+        if any(isinstance(p, ImagePart) for p in parts):
+            out.append({"role": "user", "content": list(parts)})
+        elif parts:  # text only: one string, as chat sends it
+            out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
+        parts.clear()
 
     for j, block in enumerate(blocks):
         at = f"{param}[{j}]"
         kind = _block_type(block, at)
         if kind == "text":
-            texts.append(_text_of(block, at))
+            parts.append({"type": "text", "text": _text_of(block, at)})
+        elif kind == "image":
+            parts.append(_image(block, at))
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str):
@@ -208,11 +214,36 @@ def _user(blocks: list, param: str) -> list[dict]:
                         "content": _texts(block.get("content", ""), f"{at}.content")})
         else:
             raise RequestError(f"unsupported content block type {kind!r}; this model takes "
-                               f"text and tool results", param=f"{at}.type")
+                               f"text, images and tool results", param=f"{at}.type")
     flush()
     if not out:
         out.append({"role": "user", "content": ""})
     return out
+
+
+def _image(block: dict, param: str) -> ImagePart:
+    """An `image` block as chat's image part: a base64 source as a data: URL, a url source
+    as itself (data: or an allowed file:// URL; the tokenizer checks and loads it with
+    chat's rules, so the limits and errors are the same)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise RequestError("a base64 image source needs an image/* media_type",
+                               param=f"{param}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise RequestError("a base64 image source needs its data",
+                               param=f"{param}.source.data")
+        return ImagePart(param, f"data:{media_type};base64,{data}")
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise RequestError("a url image source needs its url", param=f"{param}.source.url")
+        return ImagePart(param, url)
+    raise RequestError("an image block's source must be {\"type\": \"base64\", "
+                       "\"media_type\", \"data\"} or {\"type\": \"url\", \"url\"}",
+                       param=f"{param}.source")
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:

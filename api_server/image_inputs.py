@@ -30,14 +30,20 @@ _FORMATS = ("PNG", "JPEG", "WEBP")
 
 @dataclass
 class ImagePart:
-    param: str  # where the request holds it, for errors: messages[i].content[j]
-    url: str
+    """An image of a request, as every API's route hands it to the tokenizer: chat's
+    `image_url` parts become these here, and /v1/responses' `input_image` items and
+    /v1/messages' `image` blocks are converted into these by their protocol modules (in the
+    chat messages' content lists, where no JSON body can put one), so each API's images pass
+    the same limits and fail with the same errors, named in that API's own terms."""
+
+    param: str  # where the request holds it, for errors: messages[i].content[j], input[i]...
+    url: str  # a data: URL, or a file:// URL checked against --allowed-local-media-path
 
 
 def take_image_parts(messages: list[dict], limits: MediaLimits,
                      ) -> tuple[list[dict], list[ImagePart]]:
-    """The messages with each `image_url` part replaced by the chat templates' `{"type":
-    "image"}`, and the parts in order. Only text and image_url parts are accepted."""
+    """The messages with each `image_url` part (or ImagePart) replaced by the chat templates'
+    `{"type": "image"}`, and the images in order. Only text and image parts are accepted."""
     parts: list[ImagePart] = []
     out = []
     for i, message in enumerate(messages):
@@ -51,12 +57,14 @@ def take_image_parts(messages: list[dict], limits: MediaLimits,
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 new_content.append(part)
-            elif kind == "image_url":
+            elif kind == "image_url" or isinstance(part, ImagePart):
+                image = part if isinstance(part, ImagePart) else \
+                    ImagePart(param, _image_url(part, param))
                 if len(parts) == limits.max_images:
                     raise RequestError(
                         f"at most {limits.max_images} images per request "
-                        f"(--limit-mm-per-prompt)", param=param, code="limit_exceeded")
-                parts.append(ImagePart(param, _image_url(part, param)))
+                        f"(--limit-mm-per-prompt)", param=image.param, code="limit_exceeded")
+                parts.append(image)
                 new_content.append({"type": "image"})
             else:
                 raise RequestError(f"unsupported content part of type {kind!r}; this model "

@@ -3,7 +3,8 @@ takes (`api_server.chat_pipeline.ChatJob`).
 
 Input items map onto chat messages as OpenAI defines them: a message item is a message, a
 `function_call` is an assistant tool call, a `function_call_output` a tool message. Reasoning
-items are not sent back to the model (chat templates drop past thoughts as well).
+items are not sent back to the model (chat templates drop past thoughts as well). A message's
+`input_image` parts become chat's image parts (`ImagePart`, named `input[i].content[j]`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from api_server.image_inputs import ImagePart
 from api_server.protocol import (
     MAX_TOOLS,
     NonNegativeInt,
@@ -112,8 +114,8 @@ def _add_item(messages: list[dict], item: Any, param: str) -> None:
         if role not in ("user", "system", "developer", "assistant"):
             raise RequestError("a message's role must be user, system, developer or assistant",
                                param=f"{param}.role")
-        messages.append({"role": role, "content": _text(item.get("content"),
-                                                        f"{param}.content")})
+        messages.append({"role": role, "content": _content(item.get("content"),
+                                                           f"{param}.content", role)})
     elif kind == "function_call":
         name, call_id = item.get("name"), item.get("call_id")
         arguments = item.get("arguments", "{}")
@@ -147,18 +149,44 @@ def _add_item(messages: list[dict], item: Any, param: str) -> None:
                            param=f"{param}.type")
 
 
-def _text(content: Any, param: str) -> str:
-    """A message's content: a string, or text parts joined."""
+def _content(content: Any, param: str, role: str) -> str | list:
+    """A message's content: text parts joined, or, when it holds images, chat's content
+    parts (text parts and ImageParts, which the tokenizer takes as chat's image_url parts)."""
+    if not isinstance(content, list) or role == "assistant":
+        return _text(content, param)
+    if not any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _text(content, param)
+    _check_parts(content, param)
+    return [_image(part, f"{param}[{j}]") if part.get("type") == "input_image" else
+            {"type": "text", "text": _text([part], param, j)} for j, part in enumerate(content)]
+
+
+def _image(part: dict, param: str) -> ImagePart:
+    """An `input_image` part: its `image_url` a data: URL or a file:// URL, checked (and
+    the image loaded) with chat's rules by the tokenizer. `detail` is accepted and ignored:
+    the model's processor decides the resolution."""
+    url = part.get("image_url")
+    if part.get("file_id") is not None and url is None:
+        raise RequestError("input_image by file_id is not supported (this server has no "
+                           "Files API); send image_url as a data: URL", param=param)
+    if not isinstance(url, str) or not url:
+        raise RequestError("an input_image part needs its image_url", param=param)
+    return ImagePart(param, url)
+
+
+def _text(content: Any, param: str, first: int = 0) -> str:
+    """A message's content: a string, or text parts joined (`first`: the index of
+    content[0] in the message, for errors)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise RequestError("content must be a string or a list of text parts", param=param)
-    if len(content) > MAX_CONTENT_PARTS:
-        raise RequestError(f"at most {MAX_CONTENT_PARTS} content parts", param=param,
-                           code="limit_exceeded")
+    _check_parts(content, param)
     texts = []
-    for j, part in enumerate(content):
+    for j, part in enumerate(content, first):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":  # (the other roles' images are ImageParts by now)
+            raise RequestError("an assistant message can't hold images", param=f"{param}[{j}]")
         if kind not in ("input_text", "output_text", "text", "refusal"):
             raise RequestError(f"unsupported content part of type {kind!r}; this model takes "
                                f"text", param=f"{param}[{j}]")
@@ -167,6 +195,12 @@ def _text(content: Any, param: str) -> str:
             raise RequestError("a text part needs its text", param=f"{param}[{j}]")
         texts.append(text)
     return "".join(texts)
+
+
+def _check_parts(content: list, param: str) -> None:
+    if len(content) > MAX_CONTENT_PARTS:
+        raise RequestError(f"at most {MAX_CONTENT_PARTS} content parts", param=param,
+                           code="limit_exceeded")
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -22,11 +22,11 @@ import numpy as np
 from api_server.chat_template import TemplateSandbox
 from api_server.image_inputs import ImagePart, load_image, take_image_parts
 from api_server.protocol import RequestError, check_depth
-from api_server.vision_processor import load_vision_processor
+from api_server.vision_processor import VisionPrompt, load_vision_processor
 from pipelines.config import MediaLimits
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
-from pipelines.vision_context import ImageMetadata, TextAndVisionContext
+from pipelines.vision_context import TextAndVisionContext
 
 
 def load_hf_tokenizer(model_dir: str):
@@ -171,8 +171,7 @@ class TextTokenizer:
         self.check_prompt_chars(chars, "messages")
         return messages
 
-    async def _vision_inputs(self, text: str, parts: list[ImagePart],
-                             ) -> tuple[np.ndarray, list[ImageMetadata]]:
+    async def _vision_inputs(self, text: str, parts: list[ImagePart]) -> VisionPrompt:
         """Fetch and decode the images, then let the model's processor expand the prompt
         (Pillow and the resizing release the GIL: off the event loop)."""
         def work():
@@ -182,7 +181,7 @@ class TextTokenizer:
         return await asyncio.to_thread(work)
 
     async def new_context(self, request: TokenGeneratorRequest) -> TextContext:
-        images: list[ImageMetadata] = []
+        vision: VisionPrompt | None = None
         if request.messages is not None:
             messages, parts = list(request.messages), []
             if self.vision is not None:
@@ -190,7 +189,8 @@ class TextTokenizer:
             text = await self.render_prompt(messages, request.tools,
                                             request.chat_template_options)
             if parts:
-                ids, images = await self._vision_inputs(text, parts)
+                vision = await self._vision_inputs(text, parts)
+                ids = vision.token_ids
             else:
                 ids = await self.encode(text, add_special_tokens=False)
         elif isinstance(request.prompt, str):
@@ -234,15 +234,17 @@ class TextTokenizer:
             log_probabilities_echo=request.echo,
             json_schema=json_schema,
         )
-        if images:
+        if vision is not None and vision.images:
             return TextAndVisionContext(**fields, vision_token_ids=self.vision.vision_token_ids,
-                                        images=images)
+                                        images=vision.images,
+                                        extra_model_args=vision.extra_model_args)
         return TextContext(**fields)
 
 
 # Longer prompts are tokenized on a worker thread (the tokenizer releases the GIL), so a
 # megabyte of text doesn't hold up every other client's stream.
 INLINE_TOKENIZE_CHARS = 32_768
+TEXT_ONLY = "this model reads text only, not images"
 
 
 def _flatten_content(message: dict, index: int, image_token: str | None = None,
@@ -254,7 +256,12 @@ def _flatten_content(message: dict, index: int, image_token: str | None = None,
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
+            # An image reaches here only on a text model (a vision model's were taken out).
+            if isinstance(part, ImagePart):  # (from /v1/responses or /v1/messages)
+                raise RequestError(TEXT_ONLY, param=part.param)
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                raise RequestError(TEXT_ONLY, param=f"messages[{index}].content[{i}]")
             if kind == "image" and image_token is not None:  # (from take_image_parts)
                 parts.append({"type": "image"})
             elif kind == "text" and isinstance(part.get("text"), str):

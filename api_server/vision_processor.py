@@ -3,16 +3,17 @@ rendered prompt and the decoded images into token ids (each image's `<image>` pl
 expanded) and pixel values, exactly as transformers prepares them for its model, and this
 module cuts that into the `ImageMetadata` of a TextAndVisionContext.
 
-Idefics3 (SmolVLM) only, so far: each image becomes tiles (crops plus the whole image, each the
+Idefics3 (SmolVLM) here: each image becomes tiles (crops plus the whole image, each the
 vision encoder's full size) and a token run of `<fake_token_around_image><row_i_col_j>` tags
 with `image_seq_len` `<image>` tokens per tile, ending with the whole image's
-`<global-img>` tile.
+`<global-img>` tile. Qwen2-VL: api_server/qwen2_vl_processor.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,17 +22,34 @@ from api_server.protocol import RequestError
 from pipelines.config import MediaLimits
 from pipelines.vision_context import ImageMetadata
 
-VISION_ARCHITECTURES = {"Idefics3ForConditionalGeneration"}
+# Vision-language architectures, by the model_type their configs may name instead.
+VISION_ARCHITECTURES = {"idefics3": "Idefics3ForConditionalGeneration",
+                        "qwen2_vl": "Qwen2VLForConditionalGeneration"}
 
 
-def is_vision_checkpoint(model_dir: str) -> bool:
+@dataclass
+class VisionPrompt:
+    """A prompt with its images, as a TextAndVisionContext takes it."""
+
+    token_ids: np.ndarray
+    images: list[ImageMetadata]
+    extra_model_args: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def vision_architecture(model_dir: str) -> str | None:
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             raw = json.load(f)
     except (OSError, ValueError):
-        return False
-    return bool(set(raw.get("architectures") or []) & VISION_ARCHITECTURES) or \
-        raw.get("model_type") == "idefics3"
+        return None
+    for arch in raw.get("architectures") or []:
+        if arch in VISION_ARCHITECTURES.values():
+            return arch
+    return VISION_ARCHITECTURES.get(raw.get("model_type"))
+
+
+def is_vision_checkpoint(model_dir: str) -> bool:
+    return vision_architecture(model_dir) is not None
 
 
 class Idefics3Processor:
@@ -56,8 +74,8 @@ class Idefics3Processor:
     def vision_token_ids(self) -> list[int]:
         return [self.image_token_id]
 
-    def process(self, prompt: str, images: list[Any]) -> tuple[np.ndarray, list[ImageMetadata]]:
-        """(token ids, images) of a rendered prompt holding one image token per image
+    def process(self, prompt: str, images: list[Any]) -> VisionPrompt:
+        """The token ids and images of a rendered prompt holding one image token per image
         (blocking, ~ms per tile: run it off the event loop)."""
         try:
             out = self.processor(text=[prompt], images=[images], add_special_tokens=False,
@@ -71,7 +89,7 @@ class Idefics3Processor:
         if mask is not None and not np.asarray(mask).all():
             # (Its processor resizes every tile to the full size: padding never happens.)
             raise RequestError("image tiles with padding are not supported", param="messages")
-        return ids, self.image_metadata(ids, pixels, len(images))
+        return VisionPrompt(ids, self.image_metadata(ids, pixels, len(images)))
 
     def image_metadata(self, ids: np.ndarray, pixels: np.ndarray,
                        num_images: int) -> list[ImageMetadata]:
@@ -104,5 +122,13 @@ class Idefics3Processor:
         return images
 
 
-def load_vision_processor(model_dir: str, limits: MediaLimits) -> Idefics3Processor | None:
-    return Idefics3Processor(model_dir, limits) if is_vision_checkpoint(model_dir) else None
+def load_vision_processor(model_dir: str, limits: MediaLimits):
+    """The checkpoint's processor (Idefics3Processor, Qwen2VLProcessor), or None for a text
+    model. Each offers tokenizer, chat_template, image_token, vision_token_ids, limits and
+    process(prompt, images) -> VisionPrompt."""
+    arch = vision_architecture(model_dir)
+    if arch == "Qwen2VLForConditionalGeneration":
+        from api_server.qwen2_vl_processor import Qwen2VLProcessor
+
+        return Qwen2VLProcessor(model_dir, limits)
+    return Idefics3Processor(model_dir, limits) if arch is not None else None

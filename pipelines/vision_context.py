@@ -69,7 +69,8 @@ class ImageMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
 class TextAndVisionContext(TextContext, kw_only=True, omit_defaults=True, eq=False):
     vision_token_ids: list[int]
     images: list[ImageMetadata] = msgspec.field(default_factory=list)
-    # Model-specific arguments of the vision encoder (the seeds' name); Idefics3 needs none.
+    # Model-specific arrays (the seeds' name); Idefics3 needs none, Qwen2-VL image_grid_thw
+    # [images, 3] and rope_positions [3, prompt length] (api_server/qwen2_vl_processor.py).
     extra_model_args: dict[str, np.ndarray] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -322,6 +322,8 @@ def new_request_for_worker(ctx: TextContext) -> NewRequest:
         prompt_len=ctx.prompt_length,
         prompt_token_ids=ctx.prompt_tokens.copy() if params.repetition_penalty != 1.0 else None,
         json_schema=ctx.json_schema,
+        rope_positions=ctx.extra_model_args.get("rope_positions")
+        if isinstance(ctx, TextAndVisionContext) else None,
     )
 
 

@@ -58,6 +58,8 @@ def images_to_encode(ctx: TextAndVisionContext, start: int, end: int) -> list[St
     """The images whose first token is fed in [start, end): the worker encodes them in this
     step. (A chunk that starts inside an image had its start in an earlier step of the same
     prefill: prefix-cache hits are aligned to image starts, and preemption restarts at 0.)"""
+    grids = ctx.extra_model_args.get("image_grid_thw")
     return [StepImage(ctx.request_id, i, img.start_idx, img.end_idx,
-                      ctx.vision_token_mask(img), img.pixel_values)
+                      ctx.vision_token_mask(img), img.pixel_values,
+                      None if grids is None else grids[i])
             for i, img in ctx.images_starting_in(start, end)]

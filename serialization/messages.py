@@ -110,6 +110,10 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_ids: np.ndarray | None = None
     # Constrained decoding: outputs must match this JSON schema.
     json_schema: str | None = None
+    # A multimodal-rotary model's (Qwen2-VL's M-RoPE) positions of the prompt's first tokens,
+    # int32 [3, n <= prompt_len] (temporal, height, width): image tokens take their place in
+    # the image's grid. Later tokens continue from max + 1. None: a token's index.
+    rope_positions: np.ndarray | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -139,7 +143,9 @@ class StepImage(msgspec.Struct, array_like=True):
     start_idx: int  # the image's token run [start_idx, end_idx) in the request's sequence
     end_idx: int
     token_mask: np.ndarray  # bool [end_idx - start_idx]: the run's tokens that take a row
-    pixel_values: np.ndarray  # the model's layout (Idefics3: float32 [tiles, C, H, W])
+    pixel_values: np.ndarray  # the model's layout (Idefics3: float32 [tiles, C, H, W];
+    #                           Qwen2-VL: float32 [patches, C x T x P x P])
+    grid_thw: np.ndarray | None = None  # Qwen2-VL: int64 [3], the image's patch grid
 
 
 class StepBatch(msgspec.Struct, tag=True):

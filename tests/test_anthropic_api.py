@@ -166,7 +166,7 @@ BAD = [
     ({"max_tokens": 5, "messages": []}, 400, "messages"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400,
      "messages[0].role"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400,
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400,
      "messages[0].content[0].type"),
     ({"max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
     ({"max_tokens": 5, "messages": ASK, "top_k": -1}, 400, "top_k"),

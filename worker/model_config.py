@@ -29,6 +29,9 @@ SUPPORTED_ARCHITECTURES = {
     # SmolVLM / Idefics3: a SigLIP vision encoder and a Llama text model (the fields above are
     # the text model's; `vision` holds the rest).
     "Idefics3ForConditionalGeneration": {},
+    # Qwen2-VL: a ViT with 2D rotary and a patch merger, and a Qwen2 text model whose rotary
+    # takes 3-part positions (M-RoPE: `mrope_section`); `vision` holds the ViT's fields.
+    "Qwen2VLForConditionalGeneration": {"attention_bias": True},
 }
 
 
@@ -55,6 +58,28 @@ class VisionConfig:
     @property
     def tokens_per_tile(self) -> int:
         return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
+
+
+@dataclass
+class Qwen2VisionConfig:
+    """Qwen2-VL's vision transformer (transformers' Qwen2VLVisionConfig, its defaults)."""
+
+    embed_dim: int
+    depth: int
+    num_heads: int
+    mlp_ratio: float
+    hidden_act: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int  # merge_size x merge_size patches per image token
+    rope_theta: float  # of the 2D rotary over (row, column) patch positions
+    image_token_id: int
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch, as the processor sends them (C x T x P x P)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 @dataclass
@@ -89,7 +114,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    vision: VisionConfig | None = None  # vision-language models only
+    vision: VisionConfig | Qwen2VisionConfig | None = None  # vision-language models only
+    # Multimodal rotary (Qwen2-VL's M-RoPE): the rotary's frequency pairs split in sections
+    # turned by a token's temporal, height and width positions. None: one position per token.
+    mrope_section: list[int] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -182,6 +210,8 @@ def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None) -
         return _gemma3_config(raw, generation_eos)
     if arch == "Idefics3ForConditionalGeneration":
         return _idefics3_config(raw, generation_eos)
+    if arch == "Qwen2VLForConditionalGeneration":
+        return _qwen2_vl_config(raw, generation_eos)
     traits = SUPPORTED_ARCHITECTURES[arch]
     heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
@@ -315,6 +345,50 @@ def _idefics3_config(raw: dict, generation_eos: list[int] | None) -> ModelConfig
     return config
 
 
+def _qwen2_vl_config(raw: dict, generation_eos: list[int] | None) -> ModelConfig:
+    """Qwen2VLConfig: the text model's fields nested in text_config (transformers >= 5) or at
+    the top level (the Hub's checkpoints), its M-RoPE sections in rope_parameters or in
+    rope_scaling ({"type": "mrope", "mrope_section": ...}); the vision fields in
+    vision_config."""
+    text = dict(raw.get("text_config") or raw)
+    text.pop("vision_config", None)
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+        raise UnsupportedModelError(f"Qwen2-VL with rope scaling {rope!r}")
+    rope_theta = rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))
+    text.update(architectures=["Qwen2ForCausalLM"], rope_parameters={"rope_theta": rope_theta},
+                rope_scaling=None, rms_norm_eps=text.get("rms_norm_eps", 1e-5),
+                tie_word_embeddings=raw.get("tie_word_embeddings",
+                                            text.get("tie_word_embeddings", False)))
+    config = model_config_from_dict(text, generation_eos)
+    if section is None or sum(section) != config.head_dim // 2:
+        raise UnsupportedModelError(f"Qwen2-VL's mrope_section {section} must split the "
+                                    f"rotary's {config.head_dim // 2} frequencies")
+    v = raw.get("vision_config") or {}
+    v_rope = v.get("rope_parameters") or {}
+    config.architecture = "Qwen2VLForConditionalGeneration"
+    config.torch_dtype = raw.get("torch_dtype") or raw.get("dtype") or config.torch_dtype
+    config.mrope_section = list(section)
+    config.vision = Qwen2VisionConfig(
+        embed_dim=v.get("embed_dim", 1280),
+        depth=v.get("depth", 32),
+        num_heads=v.get("num_heads", 16),
+        mlp_ratio=v.get("mlp_ratio", 4),
+        hidden_act=v.get("hidden_act", "quick_gelu"),
+        in_channels=v.get("in_channels", 3),
+        patch_size=v.get("patch_size", 14),
+        temporal_patch_size=v.get("temporal_patch_size", 2),
+        spatial_merge_size=v.get("spatial_merge_size", 2),
+        rope_theta=float(v_rope.get("rope_theta", 10000.0)),
+        image_token_id=raw.get("image_token_id", 151655),
+    )
+    if v.get("hidden_size", config.hidden_size) != config.hidden_size:
+        raise UnsupportedModelError("Qwen2-VL's vision_config.hidden_size must be the text "
+                                    "model's hidden_size")
+    return config
+
+
 def _architecture_from_model_type(model_type: str) -> str:
     return {
         "llama": "LlamaForCausalLM",
@@ -323,6 +397,7 @@ def _architecture_from_model_type(model_type: str) -> str:
         "qwen3": "Qwen3ForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
         "idefics3": "Idefics3ForConditionalGeneration",
+        "qwen2_vl": "Qwen2VLForConditionalGeneration",
     }.get(model_type, "")
 
 

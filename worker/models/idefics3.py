@@ -7,15 +7,14 @@ pixels square). Each tile is cut into patches, encoded by the vision transformer
 tile, which replace the prompt's `<image>` tokens in order before the decoder layers.
 
 The text model is `LlamaForCausalLM` itself (its layers, paged attention, packed kernels and
-fused decode); this class adds the encoder and the merge. Images are encoded in the step that
-feeds their first token and kept in a `VisionEmbeddingCache` until their last token is fed, so
-chunked prefill may cut an image anywhere. Matches transformers' Idefics3 for tiles without
+fused decode); this class adds the encoder, and `VisionLanguageModel`
+(worker/models/vision_language.py) the merge: images are encoded in the step that feeds their
+first token and kept until their last token is fed, so chunked prefill may cut an image
+anywhere. Matches transformers' Idefics3 for tiles without
 padding, which is what its processor makes (every tile is resized to the full tile size).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,9 +23,8 @@ from torch import nn
 
 from serialization.messages import StepImage
 from worker.model_config import ModelConfig, VisionConfig
-from worker.models.llama import LlamaForCausalLM, load_fused_hf_weights
-from worker.pipeline_model import ModelInputs, ModelOutputs
-from worker.vision_cache import VisionEmbeddingCache
+from worker.models.llama import load_fused_hf_weights
+from worker.models.vision_language import VisionLanguageModel
 from worker.weights import empty_embedding
 
 _ACTIVATIONS = {
@@ -162,87 +160,40 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
     return x.reshape(tiles, seq // scale**2, dim * scale**2)
 
 
-@dataclass
-class VisionModelInputs(ModelInputs):
-    """A step's inputs with what the image merge needs: the sequences and the images sent."""
-
-    request_ids: list[str] = field(default_factory=list)
-    query_lens: np.ndarray | None = None
-    images: list[StepImage] = field(default_factory=list)
-
-
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(VisionLanguageModel):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__(config, max_positions)
         v = config.vision
         self.vision_model = VisionEncoder(v)
         self.connector = nn.Linear(v.hidden_size * v.scale_factor**2, config.hidden_size,
                                    bias=False)
-        self.image_cache = VisionEmbeddingCache()
-
-    # ---- PipelineModel ---------------------------------------------------------------------
-    def prepare_initial_token_inputs(self, step, input_ids, logits_rows, num_sampled, kv_cache,
-                                     block_size):
-        base = super().prepare_initial_token_inputs(step, input_ids, logits_rows, num_sampled,
-                                                    kv_cache, block_size)
-        return VisionModelInputs(**vars(base), request_ids=step.request_ids,
-                                 query_lens=step.query_lens, images=step.images)
-
-    def execute(self, model_inputs):
-        m = model_inputs
-        merge = None
-        if isinstance(m, VisionModelInputs):  # (multi-step decode inputs carry no images)
-            self.encode_images(m.images, m.request_ids)
-            merge = self.image_cache.gather(m.request_ids, m.query_lens, m.seq_lens)
-        hidden = self.embed_tokens(m.input_ids).to(self.compute_dtype)
-        if merge is not None:
-            rows, embeddings = merge
-            hidden[rows] = embeddings.to(hidden.dtype)
-        logits = self.forward_embeddings(hidden, m.attention, m.kv_cache, m.logits_rows)
-        if isinstance(m, VisionModelInputs):
-            self.image_cache.drop_done(m.request_ids, m.seq_lens)
-        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=logits)
-
-    def release(self, request_id: str) -> None:
-        self.image_cache.release(request_id)
 
     # ---- images ----------------------------------------------------------------------------
-    def encode_images(self, images: list[StepImage], request_ids: list[str]) -> None:
-        """Encode the step's new images (all their tiles in one batch) into the cache."""
-        if not images:
-            return
-        in_step = set(request_ids)
-        for img in images:
-            self._check_image(img, in_step)
+    def image_embeddings(self, images: list[StepImage]) -> list[torch.Tensor]:
+        """Every image's tiles encoded in one batch; each image's rows, tile after tile."""
         pixels = np.concatenate([img.pixel_values for img in images])
         features = self.image_features(torch.from_numpy(np.ascontiguousarray(pixels)))
         per_tile = features.shape[1]
-        offset = 0
+        out, offset = [], 0
         for img in images:
             tiles = img.pixel_values.shape[0]
-            rows = features[offset:offset + tiles].reshape(tiles * per_tile, -1)
-            self.image_cache.put(img.request_id, img.image_index, img.start_idx,
-                                 np.asarray(img.token_mask, dtype=bool), rows)
+            out.append(features[offset:offset + tiles].reshape(tiles * per_tile, -1))
             offset += tiles
+        return out
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[tiles, C, H, W] float32 -> [tiles, tokens_per_tile, text hidden]."""
         x = self.vision_model(pixel_values.to(self.compute_dtype))
         return self.connector(pixel_shuffle(x, self.config.vision.scale_factor))
 
-    def _check_image(self, img: StepImage, in_step: set[str]) -> None:
+    def check_image(self, img: StepImage) -> None:
         v = self.config.vision
         shape = tuple(img.pixel_values.shape)
-        if img.request_id not in in_step:
-            raise ValueError(f"an image of request {img.request_id}, which is not in the step")
         if (len(shape) != 4 or shape[1] != v.num_channels or shape[2:] != (v.image_size,) * 2
                 or img.pixel_values.dtype != np.float32):
             raise ValueError(f"request {img.request_id}: image pixel values of shape {shape} "
                              f"({img.pixel_values.dtype}); expected float32 [tiles, "
                              f"{v.num_channels}, {v.image_size}, {v.image_size}]")
-        if not 0 <= img.start_idx < img.end_idx or len(img.token_mask) != (
-                img.end_idx - img.start_idx):
-            raise ValueError(f"request {img.request_id}: an image's token run and mask disagree")
 
     # ---- weights ---------------------------------------------------------------------------
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -203,14 +203,18 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         return self.forward_embeddings(hidden, meta, kv_cache, logits_rows)
 
     def forward_embeddings(self, hidden: torch.Tensor, meta: AttentionMetadata,
-                           kv_cache: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
-        """The decoder over input embeddings [T, hidden] (a vision model's images merged in)."""
+                           kv_cache: torch.Tensor, logits_rows: torch.Tensor,
+                           rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """The decoder over input embeddings [T, hidden] (a vision model's images merged in).
+        `rotary`: the step's own tables, looked up at meta.positions (Qwen2-VL's M-RoPE);
+        the fused decode step reads only the model's."""
         residual = None
-        if self.fused_decode is not None and self.fused_decode.applies(meta):
+        if rotary is None and self.fused_decode is not None and self.fused_decode.applies(meta):
             hidden, residual = self.fused_decode(hidden, meta, kv_cache)
         else:
+            rotary = self.rotary if rotary is None else rotary
             for i, layer in enumerate(self.layers):
-                hidden, residual = layer(hidden, residual, self.rotary, kv_cache[i, 0],
+                hidden, residual = layer(hidden, residual, rotary, kv_cache[i, 0],
                                          kv_cache[i, 1], meta)
         x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
         return self.lm_head(x).float()

@@ -1,5 +1,5 @@
-"""Which model class runs a checkpoint: Gemma 3's own, Idefics3's (SmolVLM: a vision encoder
-on the Llama family's), or the Llama family's for the rest.
+"""Which model class runs a checkpoint: Gemma 3's own, Idefics3's (SmolVLM) or Qwen2-VL's (a
+vision encoder on the Llama family's), or the Llama family's for the rest.
 
 All are `PipelineModel`s (worker/pipeline_model.py: the runner drives them through it), built
 with `(config, max_positions)`. For the loader they also offer `load_hf_weights(weights)`,
@@ -23,6 +23,10 @@ def model_class(config: ModelConfig) -> type:
         from worker.models.idefics3 import Idefics3ForConditionalGeneration
 
         return Idefics3ForConditionalGeneration
+    if config.architecture == "Qwen2VLForConditionalGeneration":
+        from worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+        return Qwen2VLForConditionalGeneration
     from worker.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM

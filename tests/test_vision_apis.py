@@ -1,0 +1,251 @@
+"""Images on /v1/responses (`input_image`) and /v1/messages (Anthropic `image` blocks).
+
+The same tiny random Idefics3 as tests/test_vision.py, served once. Through the official
+`openai` and `anthropic` clients, each API's conversation with an image gives the same greedy
+text (and prompt token count) as chat completions with the same image, from data: URLs,
+Anthropic's base64 and url sources, and allowed file:// URLs; a stored response's image is
+seen again through previous_response_id. Every bad image is a 400 in the API's own error
+shape naming the part in the API's own terms, and a text-only model refuses images on both.
+"""
+
+import base64
+import io
+
+import anthropic
+import openai
+import pytest
+
+from tests.helpers import start_server
+from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, data_url, make_tiny_idefics3
+
+
+def png_base64(name: str) -> str:
+    buf = io.BytesIO()
+    IMAGES[name].save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    IMAGES["tall"].save(root / "tall.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory, media_dir):
+    vlm_dir = make_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3")), smollm2_dir)
+    srv = start_server(vlm_dir, "--served-model-name", "vlm", "--max-num-batched-tokens", "16",
+                       "--limit-mm-per-prompt", "2", "--allowed-local-media-path",
+                       str(media_dir))
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def chat_text(client, messages) -> tuple[str, int]:
+    r = client.chat.completions.create(model="vlm", messages=messages, max_tokens=MAX_TOKENS,
+                                       temperature=0)
+    return r.choices[0].message.content, r.usage.prompt_tokens
+
+
+def chat_image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat_text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+# ---- /v1/responses ---------------------------------------------------------------------------
+
+def responses_text(client, input_items, **kwargs) -> tuple[str, int, str]:
+    r = client.responses.create(model="vlm", input=input_items, max_output_tokens=MAX_TOKENS,
+                                temperature=0, **kwargs)
+    return r.output_text, r.usage.input_tokens, r.id
+
+
+def test_responses_input_image_equals_chat(openai_client):
+    expected = chat_text(openai_client, [{"role": "user", "content": [
+        chat_image(data_url(IMAGES["wide"])), chat_text_part(TEXT)]}])
+    got = responses_text(openai_client, [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(IMAGES["wide"]), "detail": "high"},
+        {"type": "input_text", "text": TEXT}]}])
+    assert got[:2] == expected and expected[0]
+
+
+def test_responses_two_images_and_a_file_url(openai_client, media_dir):
+    file_url = (media_dir / "tall.png").as_uri()
+    expected = chat_text(openai_client, [{"role": "user", "content": [
+        chat_text_part("Compare "), chat_image(data_url(IMAGES["square"])),
+        chat_text_part(" with "), chat_image(file_url)]}])
+    got = responses_text(openai_client, [{"role": "user", "content": [
+        {"type": "input_text", "text": "Compare "},
+        {"type": "input_image", "image_url": data_url(IMAGES["square"]), "detail": "auto"},
+        {"type": "input_text", "text": " with "},
+        {"type": "input_image", "image_url": file_url}]}])
+    assert got[:2] == expected
+
+
+def test_responses_image_kept_for_previous_response_id(openai_client):
+    first_input = [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(IMAGES["wide"])},
+        {"type": "input_text", "text": TEXT}]}]
+    answer, _, response_id = responses_text(openai_client, first_input, store=True)
+    followup = responses_text(openai_client, "And the colours?",
+                              previous_response_id=response_id)
+    expected = chat_text(openai_client, [
+        {"role": "user", "content": [chat_image(data_url(IMAGES["wide"])),
+                                     chat_text_part(TEXT)]},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the colours?"}])
+    assert followup[:2] == expected
+
+
+# ---- /v1/messages ----------------------------------------------------------------------------
+
+def messages_text(client, content) -> tuple[str, int]:
+    r = client.messages.create(model="vlm", max_tokens=MAX_TOKENS,
+                               messages=[{"role": "user", "content": content}],
+                               extra_body={"temperature": 0})  # (no such argument here)
+    return "".join(b.text for b in r.content if b.type == "text"), r.usage.input_tokens
+
+
+def base64_block(name: str) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": png_base64(name)}}
+
+
+def test_messages_base64_image_equals_chat(openai_client, anthropic_client):
+    expected = chat_text(openai_client, [{"role": "user", "content": [
+        chat_image(data_url(IMAGES["wide"])), chat_text_part(TEXT)]}])
+    got = messages_text(anthropic_client, [base64_block("wide"), {"type": "text", "text": TEXT}])
+    assert got == expected and expected[0]
+
+
+def test_messages_url_sources_and_count_tokens(openai_client, anthropic_client, media_dir):
+    file_url = (media_dir / "tall.png").as_uri()
+    expected = chat_text(openai_client, [{"role": "user", "content": [
+        chat_image(data_url(IMAGES["square"])), chat_image(file_url),
+        chat_text_part("Compare them.")]}])
+    content = [{"type": "image", "source": {"type": "url", "url": data_url(IMAGES["square"])}},
+               {"type": "image", "source": {"type": "url", "url": file_url}},
+               {"type": "text", "text": "Compare them."}]
+    assert messages_text(anthropic_client, content) == expected
+    count = anthropic_client.messages.count_tokens(
+        model="vlm", messages=[{"role": "user", "content": content}])
+    assert count.input_tokens == expected[1]
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+NOT_BASE64 = "!!not-base64!!"
+NOT_AN_IMAGE = base64.b64encode(b"not an image").decode()
+
+# (the image part's payload, the code chat gives it; None: refused before the tokenizer)
+BAD_IMAGES = [
+    ("data:image/png;base64," + NOT_BASE64, "invalid_image"),
+    ("data:image/png;base64," + NOT_AN_IMAGE, "invalid_image"),
+    ("https://example.com/cat.png", "unsupported_image_url"),
+    ("file:///etc/passwd", "forbidden_path"),
+]
+
+
+@pytest.mark.parametrize("url,code", BAD_IMAGES)
+def test_responses_bad_image_is_a_400_naming_the_part(openai_client, url, code):
+    with pytest.raises(openai.BadRequestError) as exc:
+        openai_client.responses.create(model="vlm", max_output_tokens=1, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                         {"type": "input_image", "image_url": url}]}])
+    assert exc.value.body["param"] == "input[0].content[1]"
+    assert exc.value.body["code"] == code
+
+
+@pytest.mark.parametrize("part,param", [
+    ({"type": "input_image", "file_id": "file-123"}, "input[0].content[0]"),
+    ({"type": "input_image"}, "input[0].content[0]"),
+])
+def test_responses_malformed_input_image(openai_client, part, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        openai_client.responses.create(model="vlm", max_output_tokens=1,
+                                       input=[{"role": "user", "content": [part]}])
+    assert exc.value.body["param"] == param
+
+
+def test_responses_too_many_images_names_the_first_over_the_limit(openai_client):
+    image = {"type": "input_image", "image_url": data_url(IMAGES["square"])}
+    with pytest.raises(openai.BadRequestError) as exc:
+        openai_client.responses.create(model="vlm", max_output_tokens=1, input=[
+            {"role": "user", "content": [image, image]},
+            {"role": "user", "content": [{"type": "input_text", "text": "x"}, image]}])
+    assert exc.value.body["param"] == "input[1].content[1]"
+    assert exc.value.body["code"] == "limit_exceeded"
+
+
+def anthropic_error(client, content) -> str:
+    """The message of the 400 /v1/messages answers, checked to be in Anthropic's shape."""
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(model="vlm", max_tokens=1,
+                               messages=[{"role": "user", "content": content}])
+    body = exc.value.body
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] == "invalid_request_error"
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("url,code", BAD_IMAGES)
+def test_messages_bad_image_is_a_400_naming_the_block(anthropic_client, url, code):
+    media_type, _, data = url.removeprefix("data:").partition(";base64,")
+    source = {"type": "base64", "media_type": media_type, "data": data} if data else \
+        {"type": "url", "url": url}
+    message = anthropic_error(anthropic_client, [{"type": "text", "text": "x"},
+                                                 {"type": "image", "source": source}])
+    assert message.startswith("messages[0].content[1]: ")
+
+
+@pytest.mark.parametrize("source,param", [
+    (None, "messages[0].content[0].source"),
+    ({"type": "file", "file_id": "f"}, "messages[0].content[0].source"),
+    ({"type": "base64", "media_type": "text/plain", "data": NOT_AN_IMAGE},
+     "messages[0].content[0].source.media_type"),
+    ({"type": "base64", "media_type": "image/png"}, "messages[0].content[0].source.data"),
+    ({"type": "url"}, "messages[0].content[0].source.url"),
+])
+def test_messages_malformed_image_block(anthropic_client, source, param):
+    block = {"type": "image"} if source is None else {"type": "image", "source": source}
+    assert anthropic_error(anthropic_client, [block]).startswith(param + ": ")
+
+
+def test_messages_too_many_images(anthropic_client):
+    message = anthropic_error(anthropic_client, [base64_block("square")] * 3)
+    assert message.startswith("messages[0].content[2]: ") and "limit-mm-per-prompt" in message
+
+
+def test_a_text_only_model_refuses_images_on_both_apis(tiny_model_dir):
+    srv = start_server(tiny_model_dir, "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.responses.create(model="tiny", max_output_tokens=1, input=[
+                {"role": "user", "content": [
+                    {"type": "input_text", "text": "x"},
+                    {"type": "input_image", "image_url": data_url(IMAGES["wide"])}]}])
+        assert exc.value.body["param"] == "input[0].content[1]"
+        assert "text only" in exc.value.body["message"]
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            claude.messages.create(model="tiny", max_tokens=1, messages=[
+                {"role": "user", "content": [base64_block("wide")]}])
+        message = exc.value.body["error"]["message"]
+        assert message.startswith("messages[0].content[0]: ") and "text only" in message
+    finally:
+        assert srv.stop() == 0

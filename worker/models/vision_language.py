@@ -1,0 +1,93 @@
+"""What the vision-language models (Idefics3, Qwen2-VL) share: a Llama-family text model whose
+prompts hold images.
+
+An image is encoded in the step that feeds its first token (the scheduler sends its pixels
+then, `StepImage`) and its embeddings are kept in a `VisionEmbeddingCache` until the step that
+feeds its last token, so chunked prefill may cut an image anywhere. Each step, the cached rows
+of the tokens it feeds replace those tokens' embeddings before the decoder layers. A subclass
+brings its encoder: `image_embeddings(images)` (one [tokens, hidden] tensor per image) and
+`check_image(image)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from serialization.messages import StepImage
+from worker.models.llama import LlamaForCausalLM
+from worker.pipeline_model import ModelInputs, ModelOutputs
+from worker.vision_cache import VisionEmbeddingCache
+
+
+@dataclass
+class VisionModelInputs(ModelInputs):
+    """A step's inputs with what the image merge needs: the sequences and the images sent."""
+
+    request_ids: list[str] = field(default_factory=list)
+    query_lens: np.ndarray | None = None
+    images: list[StepImage] = field(default_factory=list)
+
+
+class VisionLanguageModel(LlamaForCausalLM):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__(config, max_positions)
+        self.image_cache = VisionEmbeddingCache()
+
+    # ---- what a model brings ---------------------------------------------------------------
+    def image_embeddings(self, images: list[StepImage]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def check_image(self, image: StepImage) -> None:
+        raise NotImplementedError
+
+    def decode(self, hidden: torch.Tensor, m: ModelInputs) -> torch.Tensor:
+        """The decoder over the step's embeddings (images merged in): the wanted logits."""
+        return self.forward_embeddings(hidden, m.attention, m.kv_cache, m.logits_rows)
+
+    # ---- PipelineModel ---------------------------------------------------------------------
+    def prepare_initial_token_inputs(self, step, input_ids, logits_rows, num_sampled, kv_cache,
+                                     block_size):
+        base = super().prepare_initial_token_inputs(step, input_ids, logits_rows, num_sampled,
+                                                    kv_cache, block_size)
+        return VisionModelInputs(**vars(base), request_ids=step.request_ids,
+                                 query_lens=step.query_lens, images=step.images)
+
+    def execute(self, model_inputs):
+        m = model_inputs
+        merge = None
+        if isinstance(m, VisionModelInputs):  # (multi-step decode inputs carry no images)
+            self.encode_images(m.images, m.request_ids)
+            merge = self.image_cache.gather(m.request_ids, m.query_lens, m.seq_lens)
+        hidden = self.embed_tokens(m.input_ids).to(self.compute_dtype)
+        if merge is not None:
+            rows, embeddings = merge
+            hidden[rows] = embeddings.to(hidden.dtype)
+        logits = self.decode(hidden, m)
+        if isinstance(m, VisionModelInputs):
+            self.image_cache.drop_done(m.request_ids, m.seq_lens)
+        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=logits)
+
+    def release(self, request_id: str) -> None:
+        self.image_cache.release(request_id)
+
+    # ---- images ----------------------------------------------------------------------------
+    def encode_images(self, images: list[StepImage], request_ids: list[str]) -> None:
+        """Encode the step's new images into the cache."""
+        if not images:
+            return
+        in_step = set(request_ids)
+        for img in images:
+            if img.request_id not in in_step:
+                raise ValueError(f"an image of request {img.request_id}, which is not in the "
+                                 f"step")
+            if not 0 <= img.start_idx < img.end_idx or len(img.token_mask) != (
+                    img.end_idx - img.start_idx):
+                raise ValueError(f"request {img.request_id}: an image's token run and mask "
+                                 f"disagree")
+            self.check_image(img)
+        for img, rows in zip(images, self.image_embeddings(images)):
+            self.image_cache.put(img.request_id, img.image_index, img.start_idx,
+                                 np.asarray(img.token_mask, dtype=bool), rows)
