@@ -24,19 +24,12 @@ from torch import nn
 from serialization.messages import StepImage
 from worker.model_config import ModelConfig, VisionConfig
 from worker.models.llama import load_fused_hf_weights
-from worker.models.vision_language import VisionLanguageModel
+from worker.models.vision_language import (
+    VISION_ACTIVATIONS,
+    VisionLanguageModel,
+    layer_norm,
+)
 from worker.weights import empty_embedding
-
-_ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
-
-def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    # The weights in the activations' dtype: a bfloat16 model may compute in float32.
-    return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype),
-                        norm.bias.to(x.dtype), norm.eps)
 
 
 class VisionAttention(nn.Module):
@@ -59,18 +52,18 @@ class VisionAttention(nn.Module):
 class VisionLayer(nn.Module):
     def __init__(self, v: VisionConfig) -> None:
         super().__init__()
-        if v.hidden_act not in _ACTIVATIONS:
+        if v.hidden_act not in VISION_ACTIVATIONS:
             raise ValueError(f"unsupported vision activation {v.hidden_act!r}")
         self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
         self.self_attn = VisionAttention(v)
         self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
         self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
         self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-        self.act = _ACTIVATIONS[v.hidden_act]
+        self.act = VISION_ACTIVATIONS[v.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(_layer_norm(self.layer_norm1, x))
-        return x + self.fc2(self.act(self.fc1(_layer_norm(self.layer_norm2, x))))
+        x = x + self.self_attn(layer_norm(self.layer_norm1, x))
+        return x + self.fc2(self.act(self.fc1(layer_norm(self.layer_norm2, x))))
 
 
 class VisionEncoder(nn.Module):
@@ -98,7 +91,7 @@ class VisionEncoder(nn.Module):
         x = x + self.position_embedding.weight[positions].to(x.dtype)
         for layer in self.layers:
             x = layer(x)
-        return _layer_norm(self.post_layernorm, x)
+        return layer_norm(self.post_layernorm, x)
 
     def position_ids(self, nh: int, nw: int) -> torch.Tensor:
         """Idefics3's positions for an nh x nw patch grid: each patch's fractional coordinates

@@ -26,22 +26,14 @@ from serialization.messages import StepImage
 from worker.attention import AttentionMetadata
 from worker.model_config import ModelConfig, Qwen2VisionConfig
 from worker.models.llama import apply_rotary, load_fused_hf_weights
-from worker.models.vision_language import VisionLanguageModel, VisionModelInputs
+from worker.models.vision_language import (
+    VISION_ACTIVATIONS,
+    VisionLanguageModel,
+    VisionModelInputs,
+    layer_norm,
+)
 from worker.mrope import MRopePositions, TokenRotary, mrope_tables, uniform
 from worker.pipeline_model import ModelInputs
-
-_ACTIVATIONS = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
-
-
-def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    # The weights in the activations' dtype: a bfloat16 model may compute in float32.
-    return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype),
-                        norm.bias.to(x.dtype), norm.eps)
 
 
 class PatchEmbed(nn.Module):
@@ -78,12 +70,12 @@ class VisionAttention(nn.Module):
 class VisionMlp(nn.Module):
     def __init__(self, v: Qwen2VisionConfig) -> None:
         super().__init__()
-        if v.hidden_act not in _ACTIVATIONS:
+        if v.hidden_act not in VISION_ACTIVATIONS:
             raise ValueError(f"unsupported vision activation {v.hidden_act!r}")
         hidden = int(v.embed_dim * v.mlp_ratio)
         self.fc1 = nn.Linear(v.embed_dim, hidden)
         self.fc2 = nn.Linear(hidden, v.embed_dim)
-        self.act = _ACTIVATIONS[v.hidden_act]
+        self.act = VISION_ACTIVATIONS[v.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -98,8 +90,8 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMlp(v)
 
     def forward(self, x, cos, sin, frames):
-        x = x + self.attn(_layer_norm(self.norm1, x), cos, sin, frames)
-        return x + self.mlp(_layer_norm(self.norm2, x))
+        x = x + self.attn(layer_norm(self.norm1, x), cos, sin, frames)
+        return x + self.mlp(layer_norm(self.norm2, x))
 
 
 class PatchMerger(nn.Module):
@@ -114,7 +106,7 @@ class PatchMerger(nn.Module):
                                  nn.Linear(self.width, text_hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(_layer_norm(self.ln_q, x).view(-1, self.width))
+        return self.mlp(layer_norm(self.ln_q, x).view(-1, self.width))
 
 
 class VisionTransformer(nn.Module):

@@ -15,11 +15,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from serialization.messages import StepImage
 from worker.models.llama import LlamaForCausalLM
 from worker.pipeline_model import ModelInputs, ModelOutputs
 from worker.vision_cache import VisionEmbeddingCache
+
+# Vision encoders' activations, by their config's hidden_act.
+VISION_ACTIVATIONS = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` with its weights in x's dtype: a bfloat16 model may compute in float32."""
+    return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype),
+                        norm.bias.to(x.dtype), norm.eps)
 
 
 @dataclass
