@@ -1,9 +1,9 @@
 """Images in chat completions, served by an Idefics3 (SmolVLM) model, against transformers.
 
 A tiny random Idefics3 (SigLIP 64 px tiles of 16 px patches, pixel shuffle 2, a tiny Llama)
-with the real SmolLM2 tokenizer plus SmolVLM's image tokens. Greedy output through the HTTP
-server and the official openai client equals transformers' generate() on the same weights and
-the same processor outputs, token for token: one image, two images, images in two turns, an
+with the real SmolLM2 tokenizer plus SmolVLM's image tokens (tests/tiny_idefics3.py). Greedy
+output through the HTTP server and the official openai client equals transformers' generate()
+on the same weights and the same processor outputs, token for token: one image, two images, images in two turns, an
 image request batched with a text-only one, with prefill chunks (16 tokens) cutting the
 images; a follow-up turn finds its image's blocks in the prefix cache (loom's /metrics), and
 the same follow-up with another image of the same size does not. In process, the
@@ -35,47 +35,12 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage
 from tests.helpers import start_server
+from tests.tiny_idefics3 import make_tiny_idefics3
 from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 10
 BLOCK = KVCacheConfig.block_size  # the server's KV block (its default): prefix hits are whole
-# SmolVLM's chat template: content parts, an <image> token where each image goes.
-SMOLVLM_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
-    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
-IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
-    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
-
-
-def make_tiny_idefics3(target: str, tokenizer_dir: str) -> str:
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.add_tokens(IMAGE_TOKENS, special_tokens=True)
-    # Tiles of 64 px (4 image tokens each); images are scaled to a 128 px longest edge, so
-    # each is cut into up to 2 x 2 tiles plus the whole image.
-    images = transformers.Idefics3ImageProcessor(size={"longest_edge": 128},
-                                                 max_image_size={"longest_edge": 64})
-    processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tok,
-                                               image_seq_len=4, chat_template=SMOLVLM_TEMPLATE)
-    config = transformers.Idefics3Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, image_size=64, patch_size=16),
-        text_config=dict(model_type="llama", vocab_size=49216, hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=2, tie_word_embeddings=False),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.float32)
-    model.save_pretrained(target)
-    processor.save_pretrained(target)
-    return target
-
-
 def random_image(width: int, height: int, seed: int) -> Image.Image:
     pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
