@@ -1,10 +1,12 @@
 """Images in chat completions, served by an Idefics3 (SmolVLM) model, against transformers.
 
 A tiny random Idefics3 (SigLIP 64 px tiles of 16 px patches, pixel shuffle 2, a tiny Llama)
-with the real SmolLM2 tokenizer plus SmolVLM's image tokens. Greedy output through the HTTP
-server and the official openai client equals transformers' generate() on the same weights and
-the same processor outputs, token for token: one image, two images, an image request batched
-with a text-only one, with prefill chunks (16 tokens) cutting the images. In process, the
+with the real SmolLM2 tokenizer plus SmolVLM's image tokens (tests/tiny_idefics3.py). Greedy
+output through the HTTP server and the official openai client equals transformers' generate()
+on the same weights and the same processor outputs, token for token: one image, two images, images in two turns, an
+image request batched with a text-only one, with prefill chunks (16 tokens) cutting the
+images; a follow-up turn finds its image's blocks in the prefix cache (loom's /metrics), and
+the same follow-up with another image of the same size does not. In process, the
 scheduler and the model runner: preemption, prefix-cache hits and aborts, and the worker's
 image embeddings gone at the end. And every way an image part can be refused: a 400 naming it.
 """
@@ -14,6 +16,7 @@ import base64
 import io
 import os
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -22,8 +25,9 @@ import transformers
 from PIL import Image
 
 from api_server.tokenizer import TextTokenizer
+from bench.server_metrics import parse_series
 from pipelines import SamplingParams
-from pipelines.config import MediaLimits
+from pipelines.config import KVCacheConfig, MediaLimits
 from pipelines.request import TokenGeneratorRequest
 from pipelines.vision_context import ImageMetadata, TextAndVisionContext
 from scheduler.block_manager import BlockManager
@@ -31,46 +35,12 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage
 from tests.helpers import start_server
+from tests.tiny_idefics3 import make_tiny_idefics3
 from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 10
-# SmolVLM's chat template: content parts, an <image> token where each image goes.
-SMOLVLM_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
-    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
-IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
-    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
-
-
-def make_tiny_idefics3(target: str, tokenizer_dir: str) -> str:
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.add_tokens(IMAGE_TOKENS, special_tokens=True)
-    # Tiles of 64 px (4 image tokens each); images are scaled to a 128 px longest edge, so
-    # each is cut into up to 2 x 2 tiles plus the whole image.
-    images = transformers.Idefics3ImageProcessor(size={"longest_edge": 128},
-                                                 max_image_size={"longest_edge": 64})
-    processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tok,
-                                               image_seq_len=4, chat_template=SMOLVLM_TEMPLATE)
-    config = transformers.Idefics3Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, image_size=64, patch_size=16),
-        text_config=dict(model_type="llama", vocab_size=49216, hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=2, tie_word_embeddings=False),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.float32)
-    model.save_pretrained(target)
-    processor.save_pretrained(target)
-    return target
-
-
+BLOCK = KVCacheConfig.block_size  # the server's KV block (its default): prefix hits are whole
 def random_image(width: int, height: int, seed: int) -> Image.Image:
     pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
@@ -83,7 +53,9 @@ def data_url(image: Image.Image, fmt: str = "PNG") -> str:
 
 
 IMAGES = {"wide": random_image(100, 80, 1), "tall": random_image(40, 120, 2),
-          "square": random_image(70, 70, 3), "wide2": random_image(100, 80, 4)}
+          "square": random_image(70, 70, 3), "wide2": random_image(100, 80, 4),
+          # Only for the prefix-cache test: the server must not have seen them before it.
+          "photo": random_image(90, 60, 5), "photo2": random_image(90, 60, 6)}
 TEXT = "What is in this image?"
 
 
@@ -101,30 +73,60 @@ def vlm_dir(smollm2_dir, tmp_path_factory):
     return make_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3")), smollm2_dir)
 
 
+class Oracle:
+    """transformers' greedy tokens and prompt for a conversation. A conversation is a tuple
+    of turns (role, parts), a part ("image", name) or ("text", text): hashable, so each is
+    generated once per module."""
+
+    def __init__(self, vlm_dir: str) -> None:
+        self.processor = transformers.AutoProcessor.from_pretrained(vlm_dir)
+        self.model = transformers.Idefics3ForConditionalGeneration.from_pretrained(
+            vlm_dir, dtype=torch.float32).eval()
+        self.cache: dict = {}
+
+    def __call__(self, names: tuple[str, ...], text: str = TEXT) -> tuple[list[int], int]:
+        """(tokens, prompt length) for one user turn: the images, then the text."""
+        tokens, prompt = self.chat(user(*names, text))
+        return tokens, len(prompt)
+
+    def chat(self, *turns) -> tuple[list[int], list[int]]:
+        """(greedy tokens, prompt token ids) for the whole conversation."""
+        if turns not in self.cache:
+            messages = [{"role": role, "content": [
+                {"type": "image"} if kind == "image" else {"type": "text", "text": value}
+                for kind, value in parts]} for role, parts in turns]
+            names = [value for _, parts in turns for kind, value in parts if kind == "image"]
+            prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+            images = [[IMAGES[n].convert("RGB") for n in names]] if names else None
+            inputs = self.processor(text=[prompt], images=images, add_special_tokens=False,
+                                    return_tensors="pt")
+            with torch.no_grad():
+                out = self.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                          pad_token_id=2)
+            ids = inputs["input_ids"][0].tolist()
+            self.cache[turns] = (out[0, len(ids):].tolist(), ids)
+        return self.cache[turns]
+
+
+def user(*parts: str) -> tuple:
+    """A user turn: each part an image name (a key of IMAGES) or else text."""
+    return ("user", tuple(("image", p) if p in IMAGES else ("text", p) for p in parts))
+
+
+def assistant(text: str) -> tuple:
+    return ("assistant", (("text", text),))
+
+
+def messages_of(*turns) -> list[dict]:
+    """The conversation as the openai client sends it: images as data: URLs."""
+    return [{"role": role, "content": [image_part(value) if kind == "image" else
+                                       {"type": "text", "text": value} for kind, value in parts]}
+            for role, parts in turns]
+
+
 @pytest.fixture(scope="module")
 def oracle(vlm_dir):
-    """transformers' greedy tokens (and prompt length) for (image names, text)."""
-    processor = transformers.AutoProcessor.from_pretrained(vlm_dir)
-    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(
-        vlm_dir, dtype=torch.float32).eval()
-    cache = {}
-
-    def expected(names: tuple[str, ...], text: str = TEXT) -> tuple[list[int], int]:
-        if (names, text) not in cache:
-            messages = [{"role": "user", "content": [*({"type": "image"} for _ in names),
-                                                     {"type": "text", "text": text}]}]
-            prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
-            images = [[IMAGES[n].convert("RGB") for n in names]] if names else None
-            inputs = processor(text=[prompt], images=images, add_special_tokens=False,
-                               return_tensors="pt")
-            with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                     pad_token_id=2)
-            n = inputs["input_ids"].shape[1]
-            cache[(names, text)] = (out[0, n:].tolist(), n)
-        return cache[(names, text)]
-
-    return expected
+    return Oracle(vlm_dir)
 
 
 # ---- through the HTTP server ---------------------------------------------------------------
@@ -178,6 +180,68 @@ def test_different_images_do_not_share_cached_blocks(client, oracle):
 def test_two_images_in_one_message(client, oracle):
     assert served_tokens(client, chat(["square", "tall"], "Compare them.")) == \
         oracle(("square", "tall"), "Compare them.")
+
+
+def served_chat(client, messages) -> tuple[list[int], int, str]:
+    """Greedy tokens, prompt length and text of the reply."""
+    r = client.chat.completions.create(
+        model="vlm", messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True})
+    ids = [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content]
+    return ids, r.usage.prompt_tokens, r.choices[0].message.content
+
+
+def test_images_in_two_turns(client, oracle):
+    turns = (user("wide", TEXT), assistant("A wide picture of noise."),
+             user("tall", "And this one, is it the same?"))
+    tokens, prompt = oracle.chat(*turns)
+    assert served_chat(client, messages_of(*turns))[:2] == (tokens, len(prompt))
+
+
+def prefix_cache_hits(server) -> float:
+    series = parse_series(httpx.get(server.url + "/metrics").text)
+    return sum(series["loom:prefix_cache_hits_total"].values())
+
+
+def whole_blocks(num_tokens: int) -> int:
+    return num_tokens // BLOCK * BLOCK
+
+
+def test_follow_up_hits_the_prefix_cache_only_with_the_same_image(server, client, oracle):
+    # Text before the image, so that the image starts inside the second block: the hits
+    # with another image must stop at the first block, not at the image's start. Text after
+    # it, so that the block the image ends in is all first-turn tokens: a hit ending inside
+    # an image is cut back to the image's start, and the tokens after the first prompt (the
+    # answer as generated, then as the template renders it) need not match.
+    first = user("Here is a photo I took on holiday, in the hills above the lake:", "photo",
+                 "What is in it? Tell me about the shapes and the colours in it.")
+    tokens, first_prompt = oracle.chat(first)
+    image = oracle.processor.tokenizer.convert_tokens_to_ids("<image>")
+    image_start = first_prompt.index(image)  # the image's first vision token
+    image_end = len(first_prompt) - first_prompt[::-1].index(image)  # one past its last
+    assert BLOCK < image_start < 2 * BLOCK and image_end <= whole_blocks(len(first_prompt))
+    served, n, answer = served_chat(client, messages_of(first))
+    assert (served, n) == (tokens, len(first_prompt))
+
+    def follow_up(image: str) -> tuple:
+        parts = tuple(("image", image) if kind == "image" else (kind, v) for kind, v in first[1])
+        return (("user", parts), assistant(answer), user("Which colour is there most of?"))
+
+    # The same image: every whole block of the first prompt, image and all, is found.
+    same = follow_up("photo")
+    tokens, prompt = oracle.chat(*same)
+    assert prompt[:len(first_prompt)] == first_prompt
+    before = prefix_cache_hits(server)
+    assert served_chat(client, messages_of(*same))[:2] == (tokens, len(prompt))
+    assert prefix_cache_hits(server) - before >= whole_blocks(len(first_prompt))
+
+    # Another image of the same size (the same token ids): only the whole blocks before it.
+    other = follow_up("photo2")
+    tokens, prompt = oracle.chat(*other)
+    assert tokens != oracle.chat(*same)[0]
+    before = prefix_cache_hits(server)
+    assert served_chat(client, messages_of(*other))[:2] == (tokens, len(prompt))
+    assert prefix_cache_hits(server) - before == whole_blocks(image_start) == BLOCK
 
 
 def test_batched_with_a_text_only_request(server, oracle):

@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from tests.helpers import start_server
-from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, data_url, make_tiny_idefics3
+from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, data_url
+from tests.tiny_idefics3 import make_tiny_idefics3
 
 
 def png_base64(name: str) -> str:
