@@ -136,6 +136,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[TextContext] = []
         num_new: dict[str, int] = {}
+        admitted: set[str] = set()
         preempted = False
 
         # Running requests first, oldest first; preempt from the newest end when out of blocks.
@@ -179,24 +180,18 @@ class Scheduler:
             self.running.append(ctx)
             scheduled.append(ctx)
             num_new[ctx.request_id] = n
+            admitted.add(ctx.request_id)
             budget -= n
 
         if not scheduled:
             return None
-        return self._build_step(scheduled, num_new)
+        return self._build_step(scheduled, num_new, frozenset(admitted))
 
     def _cached_prefix(self, ctx: TextContext) -> list[int]:
         """Cached blocks holding a prefix of the context's tokens. Images are keyed by their
-        pixels (`prefix_cache_tokens`), and a hit never ends inside an image: it is cut back
-        to whole blocks before the image's start, so the step that feeds the image's first
-        token sends it to the worker to encode."""
-        cached = self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx])
-        if cached and isinstance(ctx, TextAndVisionContext):
-            size = self.blocks.block_size
-            keep = ctx.compute_image_aligned_idx(len(cached) * size) // size
-            self.blocks.prefix_hits -= (len(cached) - keep) * size  # (counted as hits)
-            cached = cached[:keep]
-        return cached
+        pixels (`prefix_cache_tokens`), so only the same image hits. A hit may end inside an
+        image: the step that starts after it sends the image again (`images_to_encode`)."""
+        return self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx])
 
     def _finishes_with_pending_token(self, ctx: TextContext) -> bool:
         """Its placeholder token is the last it may have: it is done once that arrives."""
@@ -213,7 +208,8 @@ class Scheduler:
         self.timings[ctx.request_id].num_preemptions += 1
         logger.debug("preempted %s (%d tokens)", ctx.request_id, ctx.end_idx)
 
-    def _build_step(self, contexts: list[TextContext], num_new: dict[str, int]) -> ScheduledStep:
+    def _build_step(self, contexts: list[TextContext], num_new: dict[str, int],
+                    admitted: frozenset[str] = frozenset()) -> ScheduledStep:
         new_requests = []
         now = time.monotonic()
         for ctx in contexts:
@@ -230,6 +226,7 @@ class Scheduler:
             [self.blocks.block_table(c.request_id) for c in contexts],
             new_requests,
             self._finished_since_last_step,
+            admitted,
         )
         self._finished_since_last_step = []
         self._next_step_id += 1

@@ -16,6 +16,7 @@ def build_step_batch(
     block_tables: list[list[int]],
     new_requests: list[NewRequest],
     finished_request_ids: list[str],
+    admitted: frozenset[str] = frozenset(),
 ) -> StepBatch:
     """Each context feeds its next `num_new_tokens[i]` tokens; its active window is set to
     them (max.pipelines' `next_tokens`), and it samples only if that reaches its last token."""
@@ -27,7 +28,8 @@ def build_step_batch(
     images: list[StepImage] = []
     for i, (ctx, n) in enumerate(zip(contexts, num_new_tokens)):
         if isinstance(ctx, TextAndVisionContext):
-            images += images_to_encode(ctx, ctx.start_idx, ctx.start_idx + n)
+            images += images_to_encode(ctx, ctx.start_idx, ctx.start_idx + n,
+                                       ctx.request_id in admitted)
         ctx.set_token_indices(active_idx=ctx.start_idx + n)
         chunks.append(ctx.next_tokens)
         query_lens[i] = n
@@ -54,12 +56,15 @@ def build_step_batch(
     )
 
 
-def images_to_encode(ctx: TextAndVisionContext, start: int, end: int) -> list[StepImage]:
-    """The images whose first token is fed in [start, end): the worker encodes them in this
-    step. (A chunk that starts inside an image had its start in an earlier step of the same
-    prefill: prefix-cache hits are aligned to image starts, and preemption restarts at 0.)"""
+def images_to_encode(ctx: TextAndVisionContext, start: int, end: int,
+                     admitted: bool) -> list[StepImage]:
+    """The images the worker must encode in this step, which feeds [start, end): those whose
+    first token is fed, and, on the request's first step since it was admitted (whose start
+    may be inside an image after a prefix-cache hit), every image it overlaps. A later chunk
+    that starts inside an image had the image sent by an earlier step of the same prefill."""
+    found = ctx.images_overlapping(start, end) if admitted else ctx.images_starting_in(start, end)
     grids = ctx.extra_model_args.get("image_grid_thw")
     return [StepImage(ctx.request_id, i, img.start_idx, img.end_idx,
                       ctx.vision_token_mask(img), img.pixel_values,
                       None if grids is None else grids[i])
-            for i, img in ctx.images_starting_in(start, end)]
+            for i, img in found]

@@ -55,7 +55,8 @@ def data_url(image: Image.Image, fmt: str = "PNG") -> str:
 IMAGES = {"wide": random_image(100, 80, 1), "tall": random_image(40, 120, 2),
           "square": random_image(70, 70, 3), "wide2": random_image(100, 80, 4),
           # Only for the prefix-cache test: the server must not have seen them before it.
-          "photo": random_image(90, 60, 5), "photo2": random_image(90, 60, 6)}
+          "photo": random_image(90, 60, 5), "photo2": random_image(90, 60, 6),
+          "photo3": random_image(90, 60, 7)}
 TEXT = "What is in this image?"
 
 
@@ -244,6 +245,29 @@ def test_follow_up_hits_the_prefix_cache_only_with_the_same_image(server, client
     assert prefix_cache_hits(server) - before == whole_blocks(image_start) == BLOCK
 
 
+def test_a_follow_up_hit_may_end_inside_the_image(server, client, oracle):
+    # The first prompt ends a few tokens after its image, so the image's last block also holds
+    # tokens the follow-up changes: the hit ends inside the image. The image is sent again with
+    # the follow-up's first step and only the rows after the hit are merged.
+    image = oracle.processor.tokenizer.convert_tokens_to_ids("<image>")
+    for lead in ("A photo:", "Look at this photo, please:", "Here it is:", "Photo:"):
+        first = user(lead, "photo3")
+        tokens, first_prompt = oracle.chat(first)
+        image_start = first_prompt.index(image)
+        image_end = len(first_prompt) - first_prompt[::-1].index(image)
+        if image_start < whole_blocks(len(first_prompt)) < image_end:
+            break
+    else:
+        pytest.fail("no lead text puts the first prompt's end inside the image's last block")
+    served, n, answer = served_chat(client, messages_of(first))
+    assert (served, n) == (tokens, len(first_prompt))
+    follow = (first, assistant(answer), user("Which colour is there most of?"))
+    tokens, prompt = oracle.chat(*follow)
+    before = prefix_cache_hits(server)
+    assert served_chat(client, messages_of(*follow))[:2] == (tokens, len(prompt))
+    assert prefix_cache_hits(server) - before >= whole_blocks(len(first_prompt))
+
+
 def test_batched_with_a_text_only_request(server, oracle):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
@@ -405,10 +429,9 @@ def test_aborted_request_leaves_no_embeddings(tokenizer, runner):
     assert len(runner.model.image_cache) == 0
 
 
-def test_a_prefix_hit_never_starts_inside_an_image():
-    """A hit that would end inside an image (another request's prefill stopped there: here it
-    was cancelled) is cut back to whole blocks before the image, so the image is sent to the
-    worker again."""
+def test_a_prefix_hit_inside_an_image_sends_the_image_again():
+    """A hit may end inside an image (another request's prefill stopped there: here it was
+    cancelled); the first step after it sends the image to the worker again."""
     from serialization.messages import StepResult
 
     def ctx(request_id):
@@ -428,8 +451,13 @@ def test_a_prefix_hit_never_starts_inside_an_image():
     sched.update(step, StepResult(step_id=step.batch.step_id,
                                   sampled_token_ids=np.full(1, -1, np.int32)))
     sched.abort("a")  # (its full block [0, 4) stays cached: it ends inside the image)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=3), blocks)
     sched.add_request(ctx("b"))
-    step = sched.schedule()
-    b = step.batch.request_ids.index("b")
-    assert step.batch.seq_lens[b] == step.batch.query_lens[b]  # b starts at 0
-    assert [i.request_id for i in step.batch.images] == ["b"]
+    step = sched.schedule()  # b: the hit [0, 4), then [4, 7): the image is sent again
+    assert (step.batch.seq_lens[0], step.batch.query_lens[0]) == (7, 3)
+    assert [(i.request_id, i.start_idx) for i in step.batch.images] == [("b", 3)]
+    sched.update(step, StepResult(step_id=step.batch.step_id,
+                                  sampled_token_ids=np.full(1, -1, np.int32)))
+    step = sched.schedule()  # [7, 10) starts inside the image too: the worker has it
+    assert (step.batch.seq_lens[0], step.batch.query_lens[0]) == (10, 3)
+    assert step.batch.images == []
