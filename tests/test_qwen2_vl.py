@@ -265,3 +265,26 @@ def test_image_embeddings_equal_transformers(hf, runner):
         ours = runner.model.image_embeddings(images)
     for a, b in zip(ours, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_images_in_two_turns(client, hf):
+    # An image in each of two user turns, an assistant reply between: M-RoPE positions run
+    # on across both images and the text after each.
+    processor, model = hf
+    reply = "It is noise."
+    turns = [("wide", "What is this?"), ("tall", "And this one?")]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": t}]}
+                for _, t in turns]
+    messages.insert(1, {"role": "assistant", "content": [{"type": "text", "text": reply}]})
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=False)
+    inputs = processor(text=[prompt], images=[IMAGES[n].convert("RGB") for n, _ in turns],
+                       add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=2)
+    n = inputs["input_ids"].shape[1]
+    served = chat([turns[0][0]], turns[0][1])
+    served.append({"role": "assistant", "content": reply})
+    served += chat([turns[1][0]], turns[1][1])
+    assert served_tokens(client, served) == (out[0, n:].tolist(), n)
