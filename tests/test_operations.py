@@ -215,15 +215,21 @@ def test_non_streamed_client_gone_aborts(server):
     assert metric(server.url, "loom:kv_cache_usage_perc") == 0
 
 
-def test_request_timeout_aborts(server):
-    # 8 choices x 1000 tokens at 4 sequences per step: far more than the 2 s limit.
-    body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0, "n": 8}
-    started = time.monotonic()
-    r = httpx.post(server.url + COMP, json=body, timeout=30)
-    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
-    assert time.monotonic() - started < 10
-    time.sleep(0.5)
-    assert metric(server.url, "loom:kv_cache_usage_perc") == 0
+def test_request_timeout_aborts(tiny_model_dir):
+    # 8 choices x 1000 tokens one sequence a step: 8000 steps, far more than the 1 s limit
+    # (at 4 sequences a step they took 1.6 s on an AVX-512 machine: too close to 2 s).
+    srv = start_server(tiny_model_dir, "--max-num-seqs", "1", "--request-timeout", "1")
+    try:
+        body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0,
+                "n": 8}
+        started = time.monotonic()
+        r = httpx.post(srv.url + COMP, json=body, timeout=30)
+        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < 10
+        time.sleep(0.5)
+        assert metric(srv.url, "loom:kv_cache_usage_perc") == 0
+    finally:
+        srv.stop()
 
 
 def test_oversized_body_is_413(server):
