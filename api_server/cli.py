@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "kv@POD_IP@MODEL)")
     s.add_argument("--num-threads", type=int, default=None,
                    help="torch threads in the worker; default: all cores")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=DeviceConfig.tensor_parallel_size,
+                   help="split the model over this many worker processes (heads and MLP "
+                        "columns; gloo on CPUs), sharing --num-threads; dense weights only "
+                        "(--dtype for a GGUF file), text models of the Llama family and "
+                        "Gemma 3")
     s.add_argument("--no-cpu-placement", action="store_true",
                    help="do not bind the worker's threads to cores nor keep the API and "
                         "scheduler off the core of its main thread")
@@ -162,9 +168,11 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
     check_kv_events(args)
+    task = resolve_task(args.task, model_dir)
+    check_tensor_parallel(args.tensor_parallel_size, task, quantization)
     model = ServedModelConfig(
         model_dir=model_dir, served_model_name=name, dtype=dtype, quantization=quantization,
-        max_model_len=args.max_model_len, task=resolve_task(args.task, model_dir))
+        max_model_len=args.max_model_len, task=task)
     server = ServerConfig(
         host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("LOOM_API_KEY") or None,
@@ -187,9 +195,23 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         batching=BatchingConfig(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens),
         device=DeviceConfig(num_threads=args.num_threads,
-                            cpu_placement=not args.no_cpu_placement),
+                            cpu_placement=not args.no_cpu_placement,
+                            tensor_parallel_size=args.tensor_parallel_size),
         speech=SpeechConfig(enabled=not args.no_speech, noise=not args.deterministic_speech),
         server=server)
+
+
+def check_tensor_parallel(size: int, task: PipelineTask, quantization: str | None) -> None:
+    """What the CLI can tell before a worker loads (the model's head count is the worker's)."""
+    if size < 1:
+        raise StartupError("--tensor-parallel-size must be positive")
+    if size == 1:
+        return
+    if task is not PipelineTask.TEXT_GENERATION:
+        raise StartupError("--tensor-parallel-size splits text generation models only")
+    if quantization is not None:
+        raise StartupError("--tensor-parallel-size splits float32 or bfloat16 weights: pass "
+                           "--dtype float32 (or bfloat16) to serve a GGUF file split")
 
 
 def media_limits_from_args(args: argparse.Namespace) -> MediaLimits:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import multiprocessing
@@ -135,14 +136,19 @@ class Launcher:
         threads = cfg.device.num_threads or max(1, os.cpu_count() or 1)
         placement = CpuPlacement.plan(threads) if cfg.device.cpu_placement else None
         log_level = cfg.server.log_level
+        ranks = cfg.device.tensor_parallel_size
+        runner_cfg = RunnerConfig.from_pipeline(cfg)
+        # A model split over `ranks` workers: the threads and cores shared among them.
         self.children = [
-            mp.Process(target=run_worker, name="loom-worker",
-                       args=(RunnerConfig.from_pipeline(cfg), self.endpoints, threads,
-                             log_level, placement)),
+            mp.Process(target=run_worker, name="loom-worker" + (f"-{rank}" if ranks > 1 else ""),
+                       args=(runner_cfg, self.endpoints, max(1, threads // ranks), log_level,
+                             _rank_placement(placement, rank, ranks), rank))
+            for rank in range(ranks)
+        ]
+        self.children.append(
             mp.Process(target=run_scheduler, name="loom-scheduler",
                        args=(cfg.batching, cfg.kv_cache, log_level, self.endpoints,
-                             placement)),
-        ]
+                             placement, ranks)))
         for child in self.children:
             child.start()
         if placement is not None:  # after the children, which inherit this process' cores
@@ -269,6 +275,18 @@ class Launcher:
             raise StartupError(engine.dead_reason or "a child process died during start-up")
         raise StartupError(f"the engine did not become ready in "
                            f"{self.cfg.server.startup_timeout:.0f}s")
+
+
+def _rank_placement(placement: CpuPlacement | None, rank: int,
+                    ranks: int) -> CpuPlacement | None:
+    """Worker rank `rank`'s share of the worker cores (all of them when there are too few)."""
+    if placement is None or ranks == 1:
+        return placement
+    per_rank = len(placement.worker) // ranks
+    if per_rank == 0:
+        return placement
+    cores = placement.worker[rank * per_rank:(rank + 1) * per_rank]
+    return dataclasses.replace(placement, worker=cores)
 
 
 async def _any_exited(children: list[multiprocessing.Process]) -> None:

@@ -48,6 +48,9 @@ class BatchingConfig:
 class DeviceConfig:
     num_threads: int | None = None  # the worker's; None: every core
     cpu_placement: bool = True  # bind the worker's threads, keep the others off its core
+    # Worker processes one model is split over (worker/tensor_parallel.py); the threads above
+    # are shared among them.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ logger = logging.getLogger("loom.scheduler")
 
 class SchedulerLoop:
     def __init__(self, batching: BatchingConfig, kv_cache: KVCacheConfig,
-                 endpoints: Endpoints) -> None:
+                 endpoints: Endpoints, num_worker_ranks: int = 1) -> None:
         self.batching = batching
         self.kv_cache = kv_cache
         self.zctx = zmq.Context()
@@ -80,7 +80,10 @@ class SchedulerLoop:
         self.cancel = make_socket(self.zctx, zmq.PULL, endpoints.cancel, bind=True,
                                   max_message_bytes=MAX_MESSAGE_BYTES["cancel"])
         self.responses = make_socket(self.zctx, zmq.PUSH, endpoints.responses, bind=True)
-        self.steps = make_socket(self.zctx, zmq.PUSH, endpoints.steps, bind=True)
+        # One socket per worker rank: a model split over several workers runs every step on
+        # each (worker/tensor_parallel.py); rank 0 answers.
+        self.steps = [make_socket(self.zctx, zmq.PUSH, endpoints.steps_of_rank(rank), bind=True)
+                      for rank in range(num_worker_ranks)]
         self.results = make_socket(self.zctx, zmq.PULL, endpoints.results, bind=True,
                                    max_message_bytes=MAX_MESSAGE_BYTES["results"])
         self.encode = msgpack_numpy_encoder()
@@ -287,7 +290,7 @@ class SchedulerLoop:
             lengths=np.array([len(c.tokens) for c in batch], dtype=np.int32),
         )
         self._embed_step_id += 1
-        self.steps.send(self.encode(step), copy=False)
+        self._send_to_workers(step)
         self.inflight.append(InflightEmbed(step.step_id, step.request_ids))
         return True
 
@@ -315,7 +318,7 @@ class SchedulerLoop:
         step = AudioStep(step_id=self._audio_step_id, request_id=ctx.request_id,
                          phoneme_ids=ctx.next_segment(), speed=ctx.speed)
         self._audio_step_id += 1
-        self.steps.send(self.encode(step), copy=False)
+        self._send_to_workers(step)
         self.inflight.append(InflightAudio(step.step_id, ctx, ctx.decoded_index))
 
     def _audio_turn(self) -> bool:
@@ -351,8 +354,14 @@ class SchedulerLoop:
             self._send_step(step)
 
     def _send_step(self, step: ScheduledStep) -> None:
-        self.steps.send(self.encode(step.batch), copy=False)
+        self._send_to_workers(step.batch)
         self.inflight.append(step)
+
+    def _send_to_workers(self, msg) -> None:
+        """Every step message leaves here: encoded once, sent to each worker rank."""
+        frame = self.encode(msg)
+        for sock in self.steps:
+            sock.send(frame, copy=False)
 
     def _send_outputs(self, outputs: list) -> None:
         stats = self.scheduler.stats()
@@ -369,10 +378,12 @@ class SchedulerLoop:
             self.kv_publisher.publish(self.scheduler.blocks.take_kv_events())
 
     def close(self, linger_ms: int = 0) -> None:
-        try:
-            self.steps.send(self.encode(Shutdown()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        frame = self.encode(Shutdown())
+        for sock in self.steps:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         self.zctx.destroy(linger=linger_ms)
 
 
@@ -390,7 +401,8 @@ class InflightEmbed:
 
 
 def run_scheduler(batching: BatchingConfig, kv_cache: KVCacheConfig, log_level: str,
-                  endpoints: Endpoints, placement: CpuPlacement | None = None) -> None:
+                  endpoints: Endpoints, placement: CpuPlacement | None = None,
+                  num_worker_ranks: int = 1) -> None:
     """Entry point of the scheduler process (spawned by `loom serve`), with its part of the
     configuration."""
     die_with_parent()
@@ -398,7 +410,7 @@ def run_scheduler(batching: BatchingConfig, kv_cache: KVCacheConfig, log_level: 
     setup_logging(log_level)
     if placement is not None:
         placement.enter_service()
-    loop = SchedulerLoop(batching, kv_cache, endpoints)
+    loop = SchedulerLoop(batching, kv_cache, endpoints, num_worker_ranks)
     ready = loop.open_kv_events() and loop.wait_for_worker()
     if not ready:
         loop.close(linger_ms=1000)  # let SchedulerFailed reach the API process

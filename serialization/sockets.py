@@ -29,6 +29,17 @@ class Endpoints:
     def ipc(cls, directory: str) -> "Endpoints":
         return cls(**{name: f"ipc://{os.path.join(directory, name)}" for name in _CHANNELS})
 
+    def steps_of_rank(self, rank: int) -> str:
+        """Where worker rank `rank` of a model split over several takes its steps (the
+        scheduler sends every step to each rank; rank 0's is `steps`)."""
+        return self.steps if rank == 0 else f"{self.steps}.{rank}"
+
+    @property
+    def rendezvous_file(self) -> str:
+        """The file the worker ranks meet at to form their process group (beside the
+        sockets, in the server's private directory)."""
+        return self.steps.removeprefix("ipc://") + ".rendezvous"
+
 
 _CHANNELS = ("requests", "cancel", "responses", "steps", "results")
 

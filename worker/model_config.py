@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from pipelines.config import (
     BatchingConfig,
+    DeviceConfig,
     KVCacheConfig,
     PipelineConfig,
     ServedModelConfig,
@@ -140,6 +141,8 @@ class RunnerConfig:
     task: PipelineTask = ServedModelConfig.task
     speech: bool = SpeechConfig.enabled
     speech_noise: bool = SpeechConfig.noise
+    tensor_parallel_size: int = DeviceConfig.tensor_parallel_size
+    rank: int = 0  # of this worker among tensor_parallel_size (0: the one that samples)
 
     @classmethod
     def from_pipeline(cls, cfg: PipelineConfig) -> "RunnerConfig":
@@ -148,7 +151,8 @@ class RunnerConfig:
                    tokenizer_dir=m.tokenizer_dir, block_size=cfg.kv_cache.block_size,
                    max_model_len=m.max_model_len, max_num_seqs=cfg.batching.max_num_seqs,
                    kv_cache_memory=cfg.kv_cache.memory, task=m.task,
-                   speech=cfg.speech.enabled, speech_noise=cfg.speech.noise)
+                   speech=cfg.speech.enabled, speech_noise=cfg.speech.noise,
+                   tensor_parallel_size=cfg.device.tensor_parallel_size)
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:

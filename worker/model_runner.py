@@ -15,7 +15,7 @@ from worker.block_weights import load_block_weights, quantize_weights
 from worker.fused_decode import FusedDecode
 from worker.gguf_file import dequantize, open_gguf
 from worker.gguf_tokenizer import is_gguf
-from worker.kv_cache import allocate_kv_cache, bytes_per_block
+from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
 from worker.logits_processors import process_logits
 from worker.logprobs import plan_echo, resolve_echo
 from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
@@ -25,6 +25,13 @@ from worker.pipeline_model import ModelInputs, ModelOutputs, PipelineModel
 from worker.quant_linear import QuantLinear
 from worker.sampler import RequestSamplingState, sample
 from worker.structured_output import GrammarCompiler
+from worker.tensor_parallel import (
+    ShardPlan,
+    agree_on_min,
+    broadcast_tokens,
+    shard_hf_weights,
+    world_size,
+)
 from worker.weights import load_checkpoint_weights, materialize_on_cpu
 
 logger = logging.getLogger(__name__)
@@ -40,22 +47,24 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         self.block_size = cfg.block_size
         self.max_model_len = resolve_max_model_len(self.config, cfg.max_model_len)
+        self.tp = _tensor_parallel_plan(cfg, self.config)
         self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
-                                                 cfg.model_dir, cfg.quantization)
-        self.num_blocks = self.model.estimate_kv_cache_size(
-            cfg.kv_cache_memory, self.dtype, cfg.block_size, self.max_model_len,
-            cfg.max_num_seqs,
-        ) // bytes_per_block(self.config, self.dtype, cfg.block_size)
+                                                 cfg.model_dir, cfg.quantization, self.tp)
+        shard = self.tp.config(self.config) if self.tp else self.config
+        per_block = bytes_per_block(shard, self.dtype, cfg.block_size)
+        self.num_blocks = agree_on_min(self._kv_cache_bytes() // per_block)
         if self.num_blocks * cfg.block_size < self.max_model_len:
-            need = -(-self.max_model_len // cfg.block_size) * bytes_per_block(
-                self.config, self.dtype, cfg.block_size)
+            need = -(-self.max_model_len // cfg.block_size) * per_block
             raise MemoryError(
                 f"the KV cache holds {self.num_blocks * cfg.block_size} tokens, fewer than one "
                 f"full-length sequence ({self.max_model_len}); give it at least {need} bytes "
                 f"(--kv-cache-memory) or lower --max-model-len"
             )
-        self.grammars = GrammarCompiler(cfg.tokenizer_dir or cfg.model_dir)
-        self.kv_cache = allocate_kv_cache(self.config, self.dtype, self.num_blocks, cfg.block_size)
+        # Only the rank that samples constrains: the others never see a grammar.
+        self.samples = self.tp is None or self.tp.rank == 0
+        self.grammars = GrammarCompiler(cfg.tokenizer_dir or cfg.model_dir) if self.samples \
+            else None
+        self.kv_cache = allocate_kv_cache(shard, self.dtype, self.num_blocks, cfg.block_size)
         self.requests: dict[str, RequestSamplingState] = {}
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
@@ -65,6 +74,21 @@ class ModelRunner:
             kv_bytes / (1 << 30), self.num_blocks, cfg.block_size,
             self.num_blocks * cfg.block_size,
         )
+
+    def _kv_cache_bytes(self) -> int:
+        """This worker's KV cache budget. Split over ranks, each holds its heads' part of the
+        cache the whole model would have (--kv-cache-memory is the whole cache's size), with
+        the block count of the rank holding the most heads (rank 0) on every rank."""
+        cfg = self.cfg
+        if self.tp is None:
+            return self.model.estimate_kv_cache_size(
+                cfg.kv_cache_memory, self.dtype, cfg.block_size, self.max_model_len,
+                cfg.max_num_seqs)
+        blocks = estimate_kv_cache_size(self.config, self.dtype, cfg.block_size,
+                                        self.max_model_len, cfg.max_num_seqs,
+                                        cfg.kv_cache_memory)
+        largest = ShardPlan.for_rank(self.config, 0, self.tp.size).config(self.config)
+        return blocks * bytes_per_block(largest, self.dtype, cfg.block_size)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -80,7 +104,7 @@ class ModelRunner:
             state = RequestSamplingState.create(
                 new.sampling_params, new.eos_token_ids, new.sampling_params.logit_bias,
                 new.logprobs, new.prompt_token_ids, new.echo_logprobs, new.prompt_len)
-            if new.json_schema is not None:
+            if new.json_schema is not None and self.samples:
                 state.matcher = self._matcher(new.request_id, new.json_schema)
             self.requests[new.request_id] = state
         for request_id in step.finished_request_ids:
@@ -98,21 +122,43 @@ class ModelRunner:
         states = [self.requests[rid] for rid in step.request_ids]
         sample_seqs = np.flatnonzero(step.sample)
         last_rows = np.cumsum(step.query_lens.astype(np.int64)) - 1
-        echo_plans = plan_echo(step, states)
-        rows = [last_rows[sample_seqs]] + [p.rows for p in echo_plans]
+        echo_plans = plan_echo(step, states) if self.samples else []
+        # (A rank that does not sample computes no logits: rows of none.)
+        rows = [last_rows[sample_seqs] if self.samples else last_rows[:0]]
+        rows += [p.rows for p in echo_plans]
         inputs = self.model.prepare_initial_token_inputs(
             step, torch.from_numpy(_realize_future_tokens(step, states)),
-            torch.from_numpy(np.concatenate(rows)), len(sample_seqs), self.kv_cache,
+            torch.from_numpy(np.concatenate(rows)), len(rows[0]), self.kv_cache,
             self.block_size)
         with torch.inference_mode():
             outputs = self.model.execute(inputs)
-            if echo_plans:
-                out.prompt_logprobs = resolve_echo(echo_plans,
-                                                   outputs.logits[len(sample_seqs):], states)
-            if len(sample_seqs):
-                self._sample(out, inputs, outputs, [states[i] for i in sample_seqs],
-                             sample_seqs)
+            if not self.samples:
+                self._follow_samples(out, sample_seqs, states)
+                return out
+            try:
+                if echo_plans:
+                    out.prompt_logprobs = resolve_echo(echo_plans,
+                                                       outputs.logits[len(sample_seqs):], states)
+                if len(sample_seqs):
+                    self._sample(out, inputs, outputs, [states[i] for i in sample_seqs],
+                                 sample_seqs)
+            finally:  # (a failed sampling too: the other ranks wait for its tokens)
+                if self.tp is not None and len(sample_seqs):
+                    broadcast_tokens(out.sampled_token_ids[sample_seqs])
         return out
+
+    def _follow_samples(self, out: StepResult, sample_seqs: np.ndarray,
+                        states: list[RequestSamplingState]) -> None:
+        """A rank that does not sample takes rank 0's tokens, as rank 0 recorded them: none
+        if its sampling failed (-1), so that later FUTURE_TOKEN inputs agree on every rank."""
+        if not len(sample_seqs):
+            return
+        tokens = np.full(len(sample_seqs), -1, dtype=np.int32)
+        broadcast_tokens(tokens)
+        out.sampled_token_ids[sample_seqs] = tokens
+        if (tokens >= 0).all():
+            for i, token in zip(sample_seqs.tolist(), tokens.tolist()):
+                states[i].output_tokens.append(token)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state, and what the model kept for it (its
@@ -217,8 +263,32 @@ def _weights_name(cfg: RunnerConfig) -> str:
     return cfg.dtype
 
 
+def _tensor_parallel_plan(cfg: RunnerConfig, config: ModelConfig) -> ShardPlan | None:
+    """This rank's shard of the model, or None when one worker holds it all."""
+    if cfg.tensor_parallel_size == 1:
+        return None
+    if world_size() != cfg.tensor_parallel_size:
+        raise RuntimeError("the tensor-parallel process group is not set up")
+    if cfg.quantization is not None:
+        raise ValueError("--tensor-parallel-size splits float32 or bfloat16 weights: pass "
+                         "--dtype float32 (or bfloat16) to serve a GGUF file split")
+    if config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+        raise ValueError(f"--tensor-parallel-size: {config.architecture} is not split yet "
+                         f"(text models of the Llama family and Gemma 3 are)")
+    return ShardPlan.for_rank(config, cfg.rank, cfg.tensor_parallel_size)
+
+
+# Whose layers call all_reduce after their row-parallel projections (vision encoders do not).
+TENSOR_PARALLEL_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                 "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+
+
 def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, model_path: str,
-                 quantization: str | None = None) -> PipelineModel:
+                 quantization: str | None = None, shard: ShardPlan | None = None,
+                 ) -> PipelineModel:
+    full_config = config
+    if shard is not None:
+        config = shard.config(config)
     # Built on the meta device so no time is spent initialising weights we overwrite.
     with torch.device("meta"):
         model = model_class(config)(config, max_positions)
@@ -228,7 +298,10 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, mo
         load_block_weights(model, _block_weights(model_path, quantization))
     else:
         materialize_on_cpu(model)  # (the rotary tables were computed on the CPU already)
-        model.load_hf_weights(_dense_weights(model_path))
+        weights = _dense_weights(model_path)
+        if shard is not None:
+            weights = shard_hf_weights(weights, full_config, shard)
+        model.load_hf_weights(weights)
         model.to(dtype)
     if quantization is not None:
         _log_quantized_layers(model)
@@ -238,7 +311,8 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, mo
             logger.info("linear layers: Loom's packed GEMM kernel (%d layers)", packed)
         if dtype == torch.bfloat16:
             model.compute_in_float32()
-        model.fused_decode = FusedDecode.for_model(model)
+        # (One native call for every layer leaves no room for the ranks' all-reduces.)
+        model.fused_decode = FusedDecode.for_model(model) if shard is None else None
     else:  # PyTorch's GEMM: no kernel here, float16, or bfloat16 on a CPU with AMX
         logger.info("linear layers: PyTorch's GEMM")
         model.use_fast_weight_layout()

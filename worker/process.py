@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import sys
 import time
 import traceback
@@ -39,8 +41,10 @@ IDLE_MS = 20  # without a step for this long, the worker counts as idle
 
 
 def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level: str,
-               placement: CpuPlacement | None = None) -> None:
-    """Entry point of the worker process (spawned by `loom serve`)."""
+               placement: CpuPlacement | None = None, rank: int = 0) -> None:
+    """Entry point of a worker process (spawned by `loom serve`): rank `rank` of
+    `runner_config.tensor_parallel_size` workers holding one model (worker/tensor_parallel.py).
+    Every rank runs every step; rank 0 alone answers the scheduler."""
     die_with_parent()
     ignore_interrupts()
     setup_logging(log_level)
@@ -54,16 +58,23 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     set_kernel_threads(num_threads)
     with worker_threads(), short_time_slice():  # ZeroMQ starts its I/O thread with the first socket
         zctx = zmq.Context()
-        steps = make_socket(zctx, zmq.PULL, endpoints.steps, bind=False,
+        steps = make_socket(zctx, zmq.PULL, endpoints.steps_of_rank(rank), bind=False,
                             max_message_bytes=MAX_MESSAGE_BYTES["steps"])
         results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)
     encode = msgpack_numpy_encoder()
     decode = msgpack_numpy_decoder(StepMessage, copy=False)
 
     speech = None
+    size = runner_config.tensor_parallel_size
     try:
-        runner = _load_runner(runner_config)
-        if runner_config.task is PipelineTask.TEXT_GENERATION and runner_config.speech:
+        if size > 1:
+            from worker.tensor_parallel import init_process_group
+
+            init_process_group(rank, size, endpoints.rendezvous_file)
+            logger.info("worker rank %d of %d is pid %d", rank, size, os.getpid())
+        runner = _load_runner(dataclasses.replace(runner_config, rank=rank))
+        if runner_config.task is PipelineTask.TEXT_GENERATION and runner_config.speech \
+                and rank == 0:
             from worker.speech_runner import SpeechRunner
 
             if SpeechRunner.available():
@@ -71,12 +82,14 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
                     speech = SpeechRunner(noise=runner_config.speech_noise)
     except Exception as exc:  # reported to the user as one line by `loom serve`
         logger.debug("model load failed", exc_info=True)
-        results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}")))
+        where = f" (worker rank {rank})" if size > 1 else ""
+        results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}{where}")))
         time.sleep(0.5)  # let the message leave before the process exits
         sys.exit(1)
     from worker.kernels import startup_summary
 
-    logger.log(*startup_summary())  # (one line: which kernels run, or why PyTorch's path does)
+    if rank == 0:
+        logger.log(*startup_summary())  # (one line: which kernels run, or why PyTorch's does)
     ready = _ready_message(runner, runner_config.task)
     if speech is not None:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
@@ -86,7 +99,12 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     if prefault is not None:
         prefault.run(STARTUP_PREFAULT_SECONDS)  # the blocks the first requests get
     freeze_startup_heap()
-    results.send(encode(ready))
+    if size > 1:
+        from worker.tensor_parallel import barrier
+
+        barrier()  # every rank loaded: ready to run steps together
+    if rank == 0:
+        results.send(encode(ready))
 
     idle_tasks = _deferred_start_up(runner, prefault)
     idle_task = next(idle_tasks, None)
@@ -104,7 +122,10 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
             continue
         if isinstance(msg, Shutdown):
             break
-        results.send(encode(answer_step(runner, speech, msg, started)))
+        if rank == 0:
+            results.send(encode(answer_step(runner, speech, msg, started)))
+        elif isinstance(msg, StepBatch):  # (speech runs on rank 0 alone)
+            answer_step(runner, speech, msg, started)
     zctx.destroy(linger=0)
 
 

@@ -39,6 +39,7 @@ from worker.models.llama import (
     load_fused_hf_weights,
 )
 from worker.pipeline_model import PagedCausalLM
+from worker.tensor_parallel import all_reduce
 from worker.weights import empty_embedding
 
 SLIDING = "sliding_attention"
@@ -115,7 +116,7 @@ class Gemma3Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(tokens, self.q_size))
+        return all_reduce(self.o_proj(out.view(tokens, self.q_size)))  # (row-parallel)
 
     def _norm_rotate_store_fused(self, qkv, rotary, k_cache, v_cache, meta):
         """The float32 path: q and k normed per head back into qkv, then one native pass
@@ -147,9 +148,9 @@ class Gemma3MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if layer_ops.layer_ops_available(gate_up.dtype) and gate_up.dim() == 2 \
                 and gate_up.is_contiguous():
-            return self.down_proj(layer_ops.gelu_tanh_mul(gate_up))
+            return all_reduce(self.down_proj(layer_ops.gelu_tanh_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
 class Gemma3DecoderLayer(nn.Module):

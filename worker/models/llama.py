@@ -19,6 +19,7 @@ from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, store_kv
 from worker.model_config import ModelConfig
 from worker.pipeline_model import PagedCausalLM
+from worker.tensor_parallel import all_reduce
 from worker.weights import empty_embedding
 
 
@@ -137,7 +138,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(tokens, self.q_size))
+        return all_reduce(self.o_proj(out.view(tokens, self.q_size)))  # (row-parallel)
 
 
 class MLP(nn.Module):
@@ -152,9 +153,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if layer_ops.layer_ops_available(gate_up.dtype) and gate_up.dim() == 2:
-            return self.down_proj(layer_ops.silu_mul(gate_up))
+            return all_reduce(self.down_proj(layer_ops.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,207 @@
+"""One model split over two worker processes (`--tensor-parallel-size 2`, gloo on the CPU):
+greedy output equals transformers' generate() on the same weights, token for token, alone,
+batched, chunk-prefilled and under preemption; a killed rank is handled like a killed worker;
+what cannot be split is refused with one line."""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers import ROOT, hf_greedy, make_tiny_checkpoint, start_server, wait_gone
+from tests.test_operations import stream_until_end
+from tests.test_server_oracle import PROMPTS, check_all, oracle  # noqa: F401 (a fixture)
+from worker.model_config import load_model_config
+from worker.tensor_parallel import ShardPlan, even_share, shard_hf_weights
+
+TP2 = ("--tensor-parallel-size", "2")
+
+
+# ---- the split itself ---------------------------------------------------------------------
+def test_even_share_covers_the_range_once_longest_first():
+    for n in (1, 3, 9, 1536, 1537):
+        for parts in range(1, min(n, 5) + 1):
+            shares = [even_share(n, parts, i) for i in range(parts)]
+            assert [i for s in shares for i in s] == list(range(n))
+            lengths = [len(s) for s in shares]
+            assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True)
+
+
+def test_smollm2_splits_by_key_value_group(smollm2_dir):
+    config = load_model_config(smollm2_dir)  # 9 query heads in 3 groups, 1536 MLP columns
+    plans = [ShardPlan.for_rank(config, r, 2) for r in range(2)]
+    assert [p.kv_heads for p in plans] == [range(0, 2), range(2, 3)]
+    assert [p.heads for p in plans] == [range(0, 6), range(6, 9)]
+    assert [p.intermediate for p in plans] == [range(0, 768), range(768, 1536)]
+    shard = plans[1].config(config)
+    assert (shard.num_attention_heads, shard.num_key_value_heads, shard.head_dim) == (3, 1, 64)
+    with pytest.raises(ValueError, match="between 1 and the model's 3 key/value heads"):
+        ShardPlan.for_rank(config, 0, 4)
+
+
+def test_row_parallel_parts_sum_to_the_whole_layer(smollm2_dir):
+    """The shards of a layer, each applied to its own heads' (columns') inputs, add up to the
+    unsplit layer: the all-reduce's sum is the model's output (with Qwen2's biases)."""
+    config = load_model_config(smollm2_dir)
+    torch.manual_seed(0)
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    p = "model.layers.0."
+    names = {"self_attn.q_proj": (9 * d, h), "self_attn.k_proj": (3 * d, h),
+             "self_attn.v_proj": (3 * d, h), "self_attn.o_proj": (h, 9 * d),
+             "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    weights = {f"{p}{n}.weight": torch.randn(shape) for n, shape in names.items()}
+    weights[f"{p}self_attn.q_proj.bias"] = torch.randn(9 * d)
+    weights[f"{p}self_attn.o_proj.bias"] = torch.randn(h)
+    weights["model.norm.weight"] = torch.randn(h)
+    x = torch.randn(5, h)
+
+    def layer(w):  # q projection, then o_proj of it; gate/up then down_proj
+        q = x @ w[f"{p}self_attn.q_proj.weight"].T + w[f"{p}self_attn.q_proj.bias"]
+        attn = q @ w[f"{p}self_attn.o_proj.weight"].T + w[f"{p}self_attn.o_proj.bias"]
+        mlp = (x @ w[f"{p}mlp.gate_proj.weight"].T) * (x @ w[f"{p}mlp.up_proj.weight"].T)
+        return attn, mlp @ w[f"{p}mlp.down_proj.weight"].T
+
+    shards = [shard_hf_weights(weights, config, ShardPlan.for_rank(config, r, 2))
+              for r in range(2)]
+    parts = [layer(w) for w in shards]
+    whole = layer(weights)
+    for k in range(2):
+        torch.testing.assert_close(parts[0][k] + parts[1][k], whole[k], rtol=1e-4, atol=1e-3)
+    assert torch.equal(shards[1]["model.norm.weight"], weights["model.norm.weight"])
+    assert shards[1][f"{p}self_attn.k_proj.weight"].shape == (d, h)  # its one kv head
+
+
+# ---- through the server ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def split_server(smollm2_dir):
+    srv = start_server(smollm2_dir, *TP2)
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_split_model_equals_transformers_alone_and_batched(split_server, oracle):  # noqa: F811
+    for prompt in PROMPTS[:3]:  # alone (a few: each step is two all-reduces a layer)
+        r = httpx.post(split_server.url + "/v1/completions", json={
+            "prompt": prompt, "max_tokens": 24, "temperature": 0}, timeout=120).json()
+        assert r["choices"][0]["text"] == oracle[prompt][0], prompt
+    check_all(split_server.url, oracle, concurrent=True)
+    log = split_server.log()
+    assert "worker rank 1 of 2" in log
+    assert re.search(r"KV cache .* = (\d+) blocks", log)
+
+
+def test_split_model_streams_to_the_openai_client(split_server, oracle):  # noqa: F811
+    from openai import OpenAI
+
+    client = OpenAI(base_url=split_server.url + "/v1", api_key="none")
+    prompt = PROMPTS[1]
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                       max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == oracle[prompt][0]
+
+
+def test_split_model_chunked_prefill_and_preemption(smollm2_dir, oracle):  # noqa: F811
+    # The whole cache (all ranks) holds 8 blocks x 16 tokens, as in test_server_oracle's
+    # preemption test; prompts are prefilled 5 tokens a step.
+    kv_bytes = 8 * 16 * 2 * 30 * 3 * 64 * 4
+    srv = start_server(smollm2_dir, *TP2, "--max-model-len", "128", "--kv-cache-memory",
+                       str(kv_bytes), "--max-num-batched-tokens", "5")
+    try:
+        check_all(srv.url, oracle, concurrent=True)
+        metrics = httpx.get(srv.url + "/metrics").text
+        preemptions = re.search(r"^loom:num_preemptions_total\{.*\} (\S+)$", metrics, re.M)
+        assert float(preemptions.group(1)) > 0
+        assert re.search(r"= 8 blocks x 16", srv.log())
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_split_uneven_heads_with_biases_and_qk_norm(smollm2_dir, tmp_path, arch):
+    """3 key/value heads over 2 ranks (2 and 1), Qwen2's q/k/v biases, Qwen3's q/k norms."""
+    path = make_tiny_checkpoint(str(tmp_path), smollm2_dir, architecture=arch, seed=7,
+                                num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                                hidden_size=96, intermediate_size=100,
+                                tie_word_embeddings=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = PROMPTS[:4]
+    expected = [tok.decode(hf_greedy(model, tok, tok(p)["input_ids"], 16),
+                           skip_special_tokens=True) for p in prompts]
+    srv = start_server(path, *TP2, "--max-num-batched-tokens", "7")
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            rs = await asyncio.gather(*(client.post(srv.url + "/v1/completions", json={
+                "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+                for p in prompts))
+            return [r.json()["choices"][0]["text"] for r in rs]
+
+    try:
+        assert asyncio.run(go()) == expected
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_killed_rank_is_handled_like_a_killed_worker(tiny_model_dir):
+    srv = start_server(tiny_model_dir, *TP2, "--max-num-seqs", "4")
+    rank1 = int(re.search(r"worker rank 1 of 2 is pid (\d+)", srv.log()).group(1))
+    body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as client:
+            streams = [asyncio.create_task(stream_until_end(client, srv.url, body))
+                       for _ in range(6)]
+            await asyncio.sleep(0.5)
+            os.kill(rank1, signal.SIGKILL)
+            killed = time.monotonic()
+            health = None
+            while time.monotonic() - killed < 2.0:
+                health = (await client.get(srv.url + "/health")).status_code
+                if health == 503:
+                    break
+                await asyncio.sleep(0.05)
+            fresh = (await client.post(srv.url + "/v1/completions",
+                                       json={"prompt": "x", "max_tokens": 2})).status_code
+            results = await asyncio.wait_for(asyncio.gather(*streams), 10)
+            return health, fresh, results
+
+    health, fresh, results = asyncio.run(scenario())
+    assert health == 503
+    assert fresh == 503
+    assert all(r in ("error-event", 503) for r in results), results
+    assert srv.proc.wait(timeout=15) != 0
+    assert "loom-worker-1" in srv.log()  # the dead rank is named
+    assert wait_gone(srv.children)
+
+
+# ---- refused with one line ------------------------------------------------------------------
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "api_server.cli", "serve", "--no-speech",
+                           "--port", "0", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_a_gguf_file_split_needs_a_dtype():
+    out = run_cli(*TP2)  # the default model: a Q4_1 GGUF file
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "loom: error: --tensor-parallel-size splits float32 or bfloat16 weights: pass "
+        "--dtype float32 (or bfloat16) to serve a GGUF file split"]
+
+
+def test_more_ranks_than_key_value_heads_is_refused(smollm2_dir):
+    out = run_cli("--model", smollm2_dir, "--tensor-parallel-size", "4")
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.splitlines() if line.startswith("loom: error")]
+    assert len(lines) == 1 and "between 1 and the model's 3 key/value heads" in lines[0], \
+        out.stderr
+    assert "Traceback" not in out.stderr
