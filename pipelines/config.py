@@ -19,7 +19,8 @@ class ServedModelConfig:
     model_dir: str  # a checkpoint directory or a GGUF file
     served_model_name: str
     tokenizer_dir: str | None = None  # default: model_dir (a GGUF file's: a cache directory)
-    dtype: str = "float32"  # activations and KV cache; dense weights too
+    # Activations and KV cache; dense weights too. None: bfloat16 on a GPU, float32 on the CPU.
+    dtype: str | None = None
     # None: dense weights in `dtype`; "gguf": a GGUF file's blocks as they are; "int8": a
     # checkpoint's projections quantized to Q8_0 blocks at load time.
     quantization: str | None = None
@@ -46,6 +47,8 @@ class BatchingConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
+    device: str = "auto"  # the worker's model: "cpu", "cuda[:N]", or "auto" (CUDA if present)
+    gpu_memory_utilization: float = 0.9  # of a GPU's memory, for weights + activations + KV
     num_threads: int | None = None  # the worker's; None: every core
     cpu_placement: bool = True  # bind the worker's threads, keep the others off its core
     # Worker processes one model is split over (worker/tensor_parallel.py); the threads above

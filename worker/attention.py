@@ -38,12 +38,23 @@ class AttentionGroup:
     # in reach of the step's first query. None: the whole context, tables from block 0.
     window: int | None = None
 
+    def to(self, device: torch.device) -> "AttentionGroup":
+        return replace(self, **{name: value.to(device, non_blocking=True)
+                                for name, value in vars(self).items()
+                                if isinstance(value, torch.Tensor)})
+
 
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, flat slot of each token's K/V
     groups: list[AttentionGroup]
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The step's metadata on the model's device (built once per step on the host)."""
+        return AttentionMetadata(self.positions.to(device, non_blocking=True),
+                                 self.slot_mapping.to(device, non_blocking=True),
+                                 [group.to(device) for group in self.groups])
 
 
 def build_attention_metadata(
@@ -125,16 +136,16 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int,
 
 
 def _window_group(group: AttentionGroup, window: int, block_size: int) -> AttentionGroup:
-    s_lens = group.seq_lens.numpy().astype(np.int64)
-    q_lens = group.q_lens.numpy().astype(np.int64)
-    valid = group.query_valid.numpy()
+    s_lens = group.seq_lens.cpu().numpy().astype(np.int64)  # (on a GPU: small copies)
+    q_lens = group.q_lens.cpu().numpy().astype(np.int64)
+    valid = group.query_valid.cpu().numpy()
     max_q = valid.shape[1]
     q_start = s_lens - q_lens  # position of each sequence's first query this step
     first_block = np.maximum(q_start - window + 1, 0) // block_size
     end_block = (s_lens + block_size - 1) // block_size
     num_blocks = int((end_block - first_block).max())
     # Block j of row b is the sequence's block first_block[b] + j; past its table: masked.
-    table = group.block_tables.numpy()
+    table = group.block_tables.cpu().numpy()
     cols = first_block[:, None] + np.arange(num_blocks)[None, :]
     tables = np.take_along_axis(table, np.minimum(cols, table.shape[1] - 1), axis=1)
     key_pos = first_block[:, None] * block_size + np.arange(num_blocks * block_size)[None, :]
@@ -145,10 +156,11 @@ def _window_group(group: AttentionGroup, window: int, block_size: int) -> Attent
     mask[..., 0] |= ~valid
     if group.fresh:  # keys are this step's tokens (first_block is 0): positions 0..max_q-1
         mask = mask[:, :, :max_q]
+    device = group.block_tables.device
     return replace(
         group,
-        block_tables=torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
-        mask=torch.from_numpy(np.ascontiguousarray(mask[:, None, :, :])),
+        block_tables=torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)).to(device),
+        mask=torch.from_numpy(np.ascontiguousarray(mask[:, None, :, :])).to(device),
         window=window,
     )
 
@@ -173,10 +185,11 @@ def paged_attention(
     """Attention of q over the cache, which already holds this step's k and v (`store_kv`);
     k and v themselves are read only by prompts with nothing cached before them."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for group in meta.groups:
         batch = group.block_tables.shape[0]
-        native = group.window is None  # (the kernels attend over whole contexts)
+        # (The kernels run on the CPU and attend over whole contexts.)
+        native = group.window is None and q.device.type == "cpu"
         if native and group.single_query and native_decode_available(k_cache.dtype):
             out[group.valid_rows] = paged_decode_attention(
                 q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale,

@@ -62,7 +62,8 @@ def estimate_kv_cache_size(
 
 
 def allocate_kv_cache(
-    config: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int
+    config: ModelConfig, dtype: torch.dtype, num_blocks: int, block_size: int,
+    device: torch.device = torch.device("cpu"),
 ) -> torch.Tensor:
     """[layers, 2 (K and V), num_blocks, block_size, kv_heads, head_dim], zeroed.
 
@@ -78,6 +79,8 @@ def allocate_kv_cache(
         config.num_hidden_layers, 2, num_blocks, block_size,
         config.num_key_value_heads, config.head_dim,
     )
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     return hugepages.empty_tensor(shape, dtype, huge=False)
 
 

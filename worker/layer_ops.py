@@ -28,8 +28,9 @@ if _lib is not None:
         getattr(_lib, _name).argtypes = _args
 
 
-def layer_ops_available(dtype: torch.dtype) -> bool:
-    return _lib is not None and dtype == torch.float32
+def applies(x: torch.Tensor) -> bool:
+    """Whether the native layer ops run on `x`: float32 on the CPU, with the kernels built."""
+    return _lib is not None and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,6 +12,13 @@ import torch
 from pipelines.context import FUTURE_TOKEN
 from serialization.messages import StepBatch, StepResult
 from worker.block_weights import load_block_weights, quantize_weights
+from worker.device import (
+    dtype_name,
+    gpu_kv_cache_budget,
+    place_on,
+    resolve_device,
+    resolve_dtype,
+)
 from worker.fused_decode import FusedDecode
 from worker.gguf_file import dequantize, open_gguf
 from worker.gguf_tokenizer import is_gguf
@@ -36,23 +43,26 @@ from worker.weights import load_checkpoint_weights, materialize_on_cpu
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig) -> None:
         started = time.monotonic()
         self.cfg = cfg
         self.config = load_model_config(cfg.model_dir)
-        self.dtype = DTYPES[cfg.dtype]
+        self.device = _rank_device(resolve_device(cfg.device), cfg.rank)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.quantization = _quantization_on(self.device, cfg.quantization)
+        if self.device.type != "cpu" and self.config.vision is not None:
+            raise ValueError(f"--device {self.device}: vision-language models run on the CPU "
+                             f"for now (--device cpu)")
         self.block_size = cfg.block_size
         self.max_model_len = resolve_max_model_len(self.config, cfg.max_model_len)
-        self.tp = _tensor_parallel_plan(cfg, self.config)
+        self.tp = _tensor_parallel_plan(cfg, self.config, self.quantization)
         self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
-                                                 cfg.model_dir, cfg.quantization, self.tp)
+                                                 cfg.model_dir, self.quantization, self.tp,
+                                                 self.device)
         shard = self.tp.config(self.config) if self.tp else self.config
         per_block = bytes_per_block(shard, self.dtype, cfg.block_size)
-        self.num_blocks = agree_on_min(self._kv_cache_bytes() // per_block)
+        self.num_blocks = agree_on_min(self._kv_cache_bytes(shard) // per_block)
         if self.num_blocks * cfg.block_size < self.max_model_len:
             need = -(-self.max_model_len // cfg.block_size) * per_block
             raise MemoryError(
@@ -64,22 +74,29 @@ class ModelRunner:
         self.samples = self.tp is None or self.tp.rank == 0
         self.grammars = GrammarCompiler(cfg.tokenizer_dir or cfg.model_dir) if self.samples \
             else None
-        self.kv_cache = allocate_kv_cache(shard, self.dtype, self.num_blocks, cfg.block_size)
+        self.kv_cache = allocate_kv_cache(shard, self.dtype, self.num_blocks, cfg.block_size,
+                                          self.device)
         self.requests: dict[str, RequestSamplingState] = {}
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
-            "model %s (%s, %s) loaded in %.1fs; KV cache %.2f GiB = %d blocks x %d = %d tokens",
-            cfg.model_dir, self.config.architecture, _weights_name(cfg),
+            "model %s (%s, %s, %s) loaded in %.1fs; KV cache %.2f GiB = %d blocks x %d = %d "
+            "tokens", cfg.model_dir, self.config.architecture,
+            _weights_name(self.quantization, self.dtype), self.device,
             time.monotonic() - started,
             kv_bytes / (1 << 30), self.num_blocks, cfg.block_size,
             self.num_blocks * cfg.block_size,
         )
 
-    def _kv_cache_bytes(self) -> int:
-        """This worker's KV cache budget. Split over ranks, each holds its heads' part of the
-        cache the whole model would have (--kv-cache-memory is the whole cache's size), with
-        the block count of the rank holding the most heads (rank 0) on every rank."""
+    def _kv_cache_bytes(self, shard: ModelConfig) -> int:
+        """This worker's KV cache budget. On a GPU: --kv-cache-memory, or what
+        --gpu-memory-utilization leaves after the weights and a profiling forward. Split over
+        ranks, each holds its heads' part of the cache the whole model would have
+        (--kv-cache-memory is the whole cache's size), with the block count of the rank
+        holding the most heads (rank 0) on every rank."""
         cfg = self.cfg
+        if self.device.type == "cuda" and cfg.kv_cache_memory is None:
+            return gpu_kv_cache_budget(self.device, cfg.gpu_memory_utilization,
+                                       self._profile_forward)
         if self.tp is None:
             return self.model.estimate_kv_cache_size(
                 cfg.kv_cache_memory, self.dtype, cfg.block_size, self.max_model_len,
@@ -89,6 +106,28 @@ class ModelRunner:
                                         cfg.kv_cache_memory)
         largest = ShardPlan.for_rank(self.config, 0, self.tp.size).config(self.config)
         return blocks * bytes_per_block(largest, self.dtype, cfg.block_size)
+
+    def _profile_forward(self) -> None:
+        """The largest step's forward (a full --max-num-batched-tokens chunk with logits for
+        --max-num-seqs rows), over a scratch cache, for its peak activation memory."""
+        cfg = self.cfg
+        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // cfg.block_size)
+        shard = self.tp.config(self.config) if self.tp else self.config
+        scratch = allocate_kv_cache(shard, self.dtype, blocks, cfg.block_size, self.device)
+        step = StepBatch(step_id=-1, request_ids=["profile"],
+                         input_ids=np.zeros(tokens, np.int32),
+                         query_lens=np.array([tokens], np.int32),
+                         seq_lens=np.array([tokens], np.int32),
+                         block_tables=np.arange(blocks, dtype=np.int32)[None, :],
+                         sample=np.array([True]))
+        rows = torch.arange(tokens - min(tokens, cfg.max_num_seqs), tokens)
+        inputs = self.model.prepare_initial_token_inputs(
+            step, torch.zeros(tokens, dtype=torch.long), rows, len(rows), scratch,
+            cfg.block_size).to(self.device)
+        with torch.inference_mode():
+            self.model.execute(inputs)
+        del scratch
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -129,9 +168,9 @@ class ModelRunner:
         inputs = self.model.prepare_initial_token_inputs(
             step, torch.from_numpy(_realize_future_tokens(step, states)),
             torch.from_numpy(np.concatenate(rows)), len(rows[0]), self.kv_cache,
-            self.block_size)
+            self.block_size).to(self.device)
         with torch.inference_mode():
-            outputs = self.model.execute(inputs)
+            outputs = self.model.execute(inputs).to_host()
             if not self.samples:
                 self._follow_samples(out, sample_seqs, states)
                 return out
@@ -255,21 +294,42 @@ def _realize_future_tokens(step: StepBatch, states: list[RequestSamplingState]) 
     return ids
 
 
-def _weights_name(cfg: RunnerConfig) -> str:
-    if cfg.quantization == "gguf":
+def _weights_name(quantization: str | None, dtype: torch.dtype) -> str:
+    if quantization == "gguf":
         return "GGUF blocks"
-    if cfg.quantization == "int8":
+    if quantization == "int8":
         return "int8 (Q8_0 blocks)"
-    return cfg.dtype
+    return dtype_name(dtype)
 
 
-def _tensor_parallel_plan(cfg: RunnerConfig, config: ModelConfig) -> ShardPlan | None:
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of a split model on GPUs takes GPU r (counted from the one asked for)."""
+    if device.type != "cuda" or rank == 0:
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _quantization_on(device: torch.device, quantization: str | None) -> str | None:
+    """The block formats run on the CPU kernels: on a GPU a GGUF file is widened (to the
+    device's dtype), and --quantization int8 is refused."""
+    if device.type == "cpu" or quantization is None:
+        return quantization
+    if quantization == "int8":
+        raise ValueError("--quantization int8 runs on the CPU kernels; on a GPU serve the "
+                         "checkpoint in bfloat16 or float16")
+    logger.info("GGUF blocks run on the CPU kernels: widening the file's weights on %s",
+                device)
+    return None
+
+
+def _tensor_parallel_plan(cfg: RunnerConfig, config: ModelConfig,
+                          quantization: str | None) -> ShardPlan | None:
     """This rank's shard of the model, or None when one worker holds it all."""
     if cfg.tensor_parallel_size == 1:
         return None
     if world_size() != cfg.tensor_parallel_size:
         raise RuntimeError("the tensor-parallel process group is not set up")
-    if cfg.quantization is not None:
+    if quantization is not None:
         raise ValueError("--tensor-parallel-size splits float32 or bfloat16 weights: pass "
                          "--dtype float32 (or bfloat16) to serve a GGUF file split")
     if config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
@@ -285,7 +345,7 @@ TENSOR_PARALLEL_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen
 
 def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, model_path: str,
                  quantization: str | None = None, shard: ShardPlan | None = None,
-                 ) -> PipelineModel:
+                 device: torch.device = torch.device("cpu")) -> PipelineModel:
     full_config = config
     if shard is not None:
         config = shard.config(config)
@@ -303,6 +363,11 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, mo
             weights = shard_hf_weights(weights, full_config, shard)
         model.load_hf_weights(weights)
         model.to(dtype)
+        if device.type != "cpu":  # PyTorch's kernels on the device, as the weights are
+            place_on(model, device)
+            logger.info("linear layers: PyTorch's GEMM on %s", device)
+            model.eval()
+            return model
     if quantization is not None:
         _log_quantized_layers(model)
     if packing_pays_off(dtype):

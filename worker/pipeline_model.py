@@ -24,7 +24,7 @@ architecture's module inherits it and brings its own `forward`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,11 +47,27 @@ class ModelInputs:
     block_tables: np.ndarray
     block_size: int
 
+    def to(self, device: torch.device) -> "ModelInputs":
+        """The inputs on the model's device (the host arrays stay; nothing moves on a CPU)."""
+        if device.type == "cpu":
+            return self
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=True),
+                       attention=self.attention.to(device),
+                       logits_rows=self.logits_rows.to(device, non_blocking=True))
+
 
 @dataclass
 class ModelOutputs:
     next_token_logits: torch.Tensor | None = None  # [num_sampled, V] float32
     logits: torch.Tensor | None = None  # [len(logits_rows), V] float32
+
+    def to_host(self) -> "ModelOutputs":
+        """The logits on the CPU, in one copy (sampling, grammars and log probabilities run
+        there); as they are when already there."""
+        if self.logits is None or self.logits.device.type == "cpu":
+            return self
+        logits = self.logits.cpu()
+        return ModelOutputs(logits[: len(self.next_token_logits)], logits)
 
 
 class PipelineModel(ABC):

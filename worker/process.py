@@ -68,9 +68,13 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
     size = runner_config.tensor_parallel_size
     try:
         if size > 1:
+            from worker.device import resolve_device
             from worker.tensor_parallel import init_process_group
 
-            init_process_group(rank, size, endpoints.rendezvous_file)
+            device = resolve_device(runner_config.device)
+            if device.type == "cuda":
+                device = torch.device("cuda", (device.index or 0) + rank)
+            init_process_group(rank, size, endpoints.rendezvous_file, device)
             logger.info("worker rank %d of %d is pid %d", rank, size, os.getpid())
         runner = _load_runner(dataclasses.replace(runner_config, rank=rank))
         if runner_config.task is PipelineTask.TEXT_GENERATION and runner_config.speech \
@@ -95,7 +99,9 @@ def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
     from worker.kv_cache import KVCachePrefault  # (torch: imported in the worker only)
 
-    prefault = KVCachePrefault(runner.kv_cache) if hasattr(runner, "kv_cache") else None
+    cache = getattr(runner, "kv_cache", None)  # (a GPU's is allocated zeroed: nothing to fault)
+    prefault = KVCachePrefault(cache) if cache is not None and cache.device.type == "cpu" \
+        else None
     if prefault is not None:
         prefault.run(STARTUP_PREFAULT_SECONDS)  # the blocks the first requests get
     freeze_startup_heap()
@@ -155,7 +161,7 @@ def _load_runner(cfg):
     if cfg.task is PipelineTask.EMBEDDINGS_GENERATION:
         from worker.embedding_runner import EmbeddingRunner
 
-        return EmbeddingRunner(cfg.model_dir, cfg.dtype)
+        return EmbeddingRunner(cfg.model_dir, cfg.dtype or "float32")  # (on the CPU)
     from worker.model_runner import ModelRunner
 
     return ModelRunner(cfg)

@@ -17,8 +17,8 @@ head, so the size is at most the model's key/value head count.
 Only rank 0 samples: the others run the same forward passes and take rank 0's sampled tokens by
 a broadcast (a later step's FUTURE_TOKEN inputs are those tokens on every rank).
 
-The process group is gloo on CPUs (NCCL would be the GPU's), rendezvous through a file in
-the server's private IPC directory, and its connections on the loopback interface.
+The process group is gloo on CPUs and NCCL between GPUs (rank r on GPU r), rendezvous through
+a file in the server's private IPC directory, gloo's connections on the loopback interface.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from worker.model_config import ModelConfig
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 _world_size = 1  # of the process group this process joined (1: not split, no collectives)
+_device = torch.device("cpu")  # where the group's collectives take their tensors
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,18 @@ def shard_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig,
     return out
 
 
-def init_process_group(rank: int, size: int, rendezvous_file: str) -> None:
-    """Join the ranks' gloo group (all ranks call this before loading the model)."""
-    global _world_size
+def init_process_group(rank: int, size: int, rendezvous_file: str,
+                       device: torch.device) -> None:
+    """Join the ranks' group (all ranks call this before loading the model): gloo on CPUs,
+    NCCL between GPUs, `device` being this rank's."""
+    global _world_size, _device
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # connections between ranks: loopback
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank,
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    _world_size = size
+    _world_size, _device = size, device
 
 
 def world_size() -> int:
@@ -126,14 +132,19 @@ def agree_on_min(value: int) -> int:
     """The smallest of every rank's `value` (the KV block count all ranks can hold)."""
     if _world_size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=_device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
 
 def broadcast_tokens(tokens: np.ndarray) -> None:
     """Rank 0's sampled tokens to every rank, in place (int32, the same length everywhere)."""
-    dist.broadcast(torch.from_numpy(tokens), src=0)
+    if _device.type == "cpu":
+        dist.broadcast(torch.from_numpy(tokens), src=0)
+        return
+    t = torch.from_numpy(tokens).to(_device)  # (NCCL moves device tensors only)
+    dist.broadcast(t, src=0)
+    tokens[:] = t.cpu().numpy()
 
 
 def barrier() -> None:

@@ -68,7 +68,7 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rmsnorm(x); with `residual`: (rmsnorm(residual + x), residual + x)."""
         scale = self.scale
-        if layer_ops.layer_ops_available(x.dtype) and x.dim() == 2:
+        if layer_ops.applies(x) and x.dim() == 2:
             if residual is None:
                 return layer_ops.rms_norm(x, scale, self.eps)
             return layer_ops.add_rms_norm(residual, x, scale, self.eps), residual
@@ -103,7 +103,7 @@ class Gemma3Attention(nn.Module):
     def forward(self, x, rotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if layer_ops.layer_ops_available(qkv.dtype) and qkv.is_contiguous():
+        if layer_ops.applies(qkv) and qkv.is_contiguous():
             q, k, v = self._norm_rotate_store_fused(qkv, rotary, k_cache, v_cache, meta)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -146,7 +146,7 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if layer_ops.layer_ops_available(gate_up.dtype) and gate_up.dim() == 2 \
+        if layer_ops.applies(gate_up) and gate_up.dim() == 2 \
                 and gate_up.is_contiguous():
             return all_reduce(self.down_proj(layer_ops.gelu_tanh_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)

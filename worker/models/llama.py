@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rmsnorm(x); with `residual`: (rmsnorm(residual + x), residual + x)."""
-        if layer_ops.layer_ops_available(x.dtype) and x.dim() == 2:
+        if layer_ops.applies(x) and x.dim() == 2:
             if residual is None:
                 return layer_ops.rms_norm(x, self.weight, self.eps)
             return layer_ops.add_rms_norm(residual, x, self.weight, self.eps), residual
@@ -122,7 +122,7 @@ class Attention(nn.Module):
     def forward(self, x, rotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        fused = self.q_norm is None and layer_ops.layer_ops_available(qkv.dtype) \
+        fused = self.q_norm is None and layer_ops.applies(qkv) \
             and qkv.is_contiguous()
         if fused:
             rotary.rotate_and_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, meta,
@@ -152,7 +152,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if layer_ops.layer_ops_available(gate_up.dtype) and gate_up.dim() == 2:
+        if layer_ops.applies(gate_up) and gate_up.dim() == 2:
             return all_reduce(self.down_proj(layer_ops.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return all_reduce(self.down_proj(F.silu(gate) * up))
