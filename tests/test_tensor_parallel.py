@@ -4,6 +4,7 @@ batched, chunk-prefilled and under preemption; a killed rank is handled like a k
 what cannot be split is refused with one line."""
 
 import asyncio
+import multiprocessing
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -20,7 +22,14 @@ from tests.helpers import ROOT, hf_greedy, make_tiny_checkpoint, start_server, w
 from tests.test_operations import stream_until_end
 from tests.test_server_oracle import PROMPTS, check_all, oracle  # noqa: F401 (a fixture)
 from worker.model_config import load_model_config
-from worker.tensor_parallel import ShardPlan, even_share, shard_hf_weights
+from worker.tensor_parallel import (
+    ShardPlan,
+    all_reduce,
+    even_share,
+    init_process_group,
+    shard_hf_weights,
+    use_shared_memory,
+)
 
 TP2 = ("--tensor-parallel-size", "2")
 
@@ -79,6 +88,40 @@ def test_row_parallel_parts_sum_to_the_whole_layer(smollm2_dir):
     assert shards[1][f"{p}self_attn.k_proj.weight"].shape == (d, h)  # its one kv head
 
 
+def _sum_through_shared_memory(rank, path, results):
+    torch.set_num_threads(1)
+    init_process_group(rank, 2, path, torch.device("cpu"))
+    assert use_shared_memory(1000)
+    gen = torch.Generator().manual_seed(rank)
+    sums = []
+    for n in [1, 7, 576, 1000] * 50 + [1001]:  # (1001: past the slots, through gloo)
+        x = torch.randn(n, generator=gen)
+        mine = x.clone()
+        all_reduce(x)
+        sums.append((mine.numpy(), x.numpy()))
+    results.put((rank, sums))
+    results.close()
+    results.join_thread()  # (before exiting: the parent must get the whole message)
+
+
+def test_shared_memory_all_reduce_sums_every_call(tmp_path):
+    """Two processes, 201 all-reduces of varied sizes back to back (the two phases of slots
+    reused many times): each result is the sum of both ranks' inputs, the same on both."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_sum_through_shared_memory,
+                         args=(r, str(tmp_path / "rdv"), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert len(got[0]) == len(got[1]) == 201
+    for (a, sum_a), (b, sum_b) in zip(got[0], got[1]):
+        assert np.array_equal(sum_a, sum_b)
+        np.testing.assert_allclose(sum_a, a + b, rtol=1e-6, atol=1e-6)
+
+
 # ---- through the server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def split_server(smollm2_dir):
@@ -95,6 +138,7 @@ def test_split_model_equals_transformers_alone_and_batched(split_server, oracle)
     check_all(split_server.url, oracle, concurrent=True)
     log = split_server.log()
     assert "worker rank 1 of 2" in log
+    assert "all-reduce between the 2 ranks: shared memory" in log
     assert re.search(r"KV cache .* = (\d+) blocks", log)
 
 

@@ -37,6 +37,7 @@ from worker.tensor_parallel import (
     agree_on_min,
     broadcast_tokens,
     shard_hf_weights,
+    use_shared_memory,
     world_size,
 )
 from worker.weights import load_checkpoint_weights, materialize_on_cpu
@@ -57,6 +58,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.max_model_len = resolve_max_model_len(self.config, cfg.max_model_len)
         self.tp = _tensor_parallel_plan(cfg, self.config, self.quantization)
+        if self.tp is not None:  # (a step's hidden state: at most a full chunk of tokens)
+            use_shared_memory(cfg.max_num_batched_tokens * self.config.hidden_size)
         self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
                                                  cfg.model_dir, self.quantization, self.tp,
                                                  self.device)

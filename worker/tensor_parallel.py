@@ -19,10 +19,13 @@ a broadcast (a later step's FUTURE_TOKEN inputs are those tokens on every rank).
 
 The process group is gloo on CPUs and NCCL between GPUs (rank r on GPU r), rendezvous through
 a file in the server's private IPC directory, gloo's connections on the loopback interface.
+On CPUs the layers' all-reduces go through shared memory instead (worker/shm_allreduce.py):
+gloo's loopback TCP took 285 us each for one token.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -31,13 +34,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from worker import shm_allreduce
 from worker.model_config import ModelConfig
+from worker.shm_allreduce import SharedMemoryAllReduce
+
+logger = logging.getLogger(__name__)
 
 # Long enough for the slowest rank to load its weights before the first collective.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 _world_size = 1  # of the process group this process joined (1: not split, no collectives)
 _device = torch.device("cpu")  # where the group's collectives take their tensors
+_rank = 0
+_rendezvous_file = ""
+_shared: SharedMemoryAllReduce | None = None  # CPU ranks: the all-reduce through shared memory
 
 
 @dataclass(frozen=True)
@@ -107,14 +117,30 @@ def init_process_group(rank: int, size: int, rendezvous_file: str,
                        device: torch.device) -> None:
     """Join the ranks' group (all ranks call this before loading the model): gloo on CPUs,
     NCCL between GPUs, `device` being this rank's."""
-    global _world_size, _device
+    global _world_size, _device, _rank, _rendezvous_file
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # connections between ranks: loopback
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    _world_size, _device = size, device
+    _world_size, _device, _rank, _rendezvous_file = size, device, rank, rendezvous_file
+
+
+def use_shared_memory(max_floats: int) -> bool:
+    """CPU ranks: all-reduce tensors of up to `max_floats` float32s through shared memory
+    (worker/shm_allreduce.py) instead of gloo's loopback TCP. Collective: every rank calls it,
+    and all use it or none does (the kernel must have been built on each)."""
+    global _shared
+    if _world_size == 1 or _device.type != "cpu":
+        return False
+    if not agree_on_min(int(shm_allreduce.available(_world_size))):
+        return False
+    _shared = SharedMemoryAllReduce(_rendezvous_file + ".shm", _rank, _world_size, max_floats,
+                                    dist.barrier)
+    if _rank == 0:
+        logger.info("all-reduce between the %d ranks: shared memory", _world_size)
+    return True
 
 
 def world_size() -> int:
@@ -123,7 +149,7 @@ def world_size() -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum a row-parallel layer's output over the ranks, in place (nothing when not split)."""
-    if _world_size > 1:
+    if _world_size > 1 and not (_shared is not None and _shared(x)):
         dist.all_reduce(x)
     return x
 
