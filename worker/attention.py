@@ -173,6 +173,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _gpu_kernels(group: AttentionGroup, q, k_cache, v_cache, out, scale) -> bool:
+    """The group's attention by the Triton kernels (worker/triton_attention.py), written into
+    `out`; False if they do not apply (no Triton, blocks under 16 tokens for a prefill)."""
+    from worker import triton_attention  # (imports Triton: on a GPU only)
+
+    if not triton_attention.available(k_cache, prefill=not group.single_query):
+        return False
+    if group.single_query:
+        out[group.valid_rows] = triton_attention.paged_decode_attention(
+            q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale)
+    else:
+        triton_attention.paged_prefill_attention(
+            q, k_cache, v_cache, group.block_tables, group.seq_lens, group.q_lens,
+            group.first_rows, out, scale, group.query_index.shape[1])
+    return True
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -190,6 +207,9 @@ def paged_attention(
         batch = group.block_tables.shape[0]
         # (The kernels run on the CPU and attend over whole contexts.)
         native = group.window is None and q.device.type == "cpu"
+        if group.window is None and q.device.type == "cuda" \
+                and _gpu_kernels(group, q, k_cache, v_cache, out, scale):
+            continue
         if native and group.single_query and native_decode_available(k_cache.dtype):
             out[group.valid_rows] = paged_decode_attention(
                 q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale,
