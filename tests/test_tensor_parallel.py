@@ -249,3 +249,23 @@ def test_more_ranks_than_key_value_heads_is_refused(smollm2_dir):
     assert len(lines) == 1 and "between 1 and the model's 3 key/value heads" in lines[0], \
         out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_split_model_constrains_and_samples_with_a_seed(split_server):
+    """Only rank 0 samples and holds grammars: a json_schema answer still validates, and a
+    seeded sampled request repeats (the other rank follows rank 0's tokens)."""
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    r = httpx.post(split_server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Name a city in France as JSON."}],
+        "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "city", "schema": schema}}}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"city"}
+    body = {"prompt": PROMPTS[2], "max_tokens": 20, "temperature": 1.0, "seed": 7}
+    texts = [httpx.post(split_server.url + "/v1/completions", json=body, timeout=120)
+             .json()["choices"][0]["text"] for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0]
