@@ -103,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=DeviceConfig.tensor_parallel_size,
                    help="split the model over this many worker processes (heads and MLP "
-                        "columns; gloo on CPUs), sharing --num-threads; dense weights only "
-                        "(--dtype for a GGUF file), text models of the Llama family and "
-                        "Gemma 3")
+                        "columns; shared memory between CPU ranks, NCCL between GPUs), "
+                        "sharing --num-threads; text models of the Llama family and Gemma 3, "
+                        "GGUF blocks included where the split falls between blocks")
     s.add_argument("--no-cpu-placement", action="store_true",
                    help="do not bind the worker's threads to cores nor keep the API and "
                         "scheduler off the core of its main thread")
@@ -180,7 +180,7 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
     check_kv_events(args)
     task = resolve_task(args.task, model_dir)
-    check_tensor_parallel(args.tensor_parallel_size, task, quantization)
+    check_tensor_parallel(args.tensor_parallel_size, task)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         raise StartupError(f"--device {args.device}: not auto, cpu, cuda or cuda:N")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -218,7 +218,7 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         server=server)
 
 
-def check_tensor_parallel(size: int, task: PipelineTask, quantization: str | None) -> None:
+def check_tensor_parallel(size: int, task: PipelineTask) -> None:
     """What the CLI can tell before a worker loads (the model's head count is the worker's)."""
     if size < 1:
         raise StartupError("--tensor-parallel-size must be positive")
@@ -226,9 +226,6 @@ def check_tensor_parallel(size: int, task: PipelineTask, quantization: str | Non
         return
     if task is not PipelineTask.TEXT_GENERATION:
         raise StartupError("--tensor-parallel-size splits text generation models only")
-    if quantization is not None:
-        raise StartupError("--tensor-parallel-size splits float32 or bfloat16 weights: pass "
-                           "--dtype float32 (or bfloat16) to serve a GGUF file split")
 
 
 def media_limits_from_args(args: argparse.Namespace) -> MediaLimits:

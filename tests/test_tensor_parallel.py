@@ -4,6 +4,7 @@ batched, chunk-prefilled and under preemption; a killed rank is handled like a k
 what cannot be split is refused with one line."""
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -122,6 +123,66 @@ def test_shared_memory_all_reduce_sums_every_call(tmp_path):
         np.testing.assert_allclose(sum_a, a + b, rtol=1e-6, atol=1e-6)
 
 
+def test_gguf_blocks_split_by_rows_and_whole_blocks_of_columns():
+    """The default file's Q4_1 layer split for two ranks: each part, dequantized, is the
+    matching rows or columns of the whole; a cut inside a block is refused by name."""
+    from worker.default_model import find_gguf
+    from worker.gguf_file import GGUFTensor, dequantize, open_gguf
+
+    gguf = open_gguf(find_gguf())
+    config = gguf.config
+    layer = {n: t for n, t in gguf.tensors.items() if n.startswith("model.layers.0.")}
+    assert layer["model.layers.0.self_attn.o_proj.weight"].is_quantized
+    for rank in range(2):
+        plan = ShardPlan.for_rank(config, rank, 2)
+        part = shard_hf_weights(layer, config, plan)
+        d = config.head_dim
+        heads = slice(plan.heads.start * d, plan.heads.stop * d)
+        mlp = slice(plan.intermediate.start, plan.intermediate.stop)
+        for name, rows, cols in [("self_attn.q_proj", heads, None), ("mlp.up_proj", mlp, None),
+                                 ("self_attn.o_proj", None, heads), ("mlp.down_proj", None, mlp)]:
+            whole = dequantize(layer[f"model.layers.0.{name}.weight"])
+            want = whole[rows] if rows is not None else whole[:, cols]
+            assert torch.equal(dequantize(part[f"model.layers.0.{name}.weight"]), want), name
+    # 12 heads of 64 in Q4_K blocks of 256 columns: two ranks would cut at column 384.
+    wide = dataclasses.replace(config, num_attention_heads=12, num_key_value_heads=12)
+    k_quant = GGUFTensor("Q4_K", (576, 768), np.zeros((576, 3 * 144), np.uint8))
+    with pytest.raises(ValueError, match="Q4_K blocks of 256 columns, which this split would "
+                                         "cut \\(at column 384\\)"):
+        shard_hf_weights({"model.layers.0.self_attn.o_proj.weight": k_quant}, wide,
+                         ShardPlan.for_rank(wide, 0, 2))
+
+
+def test_the_default_gguf_split_agrees_with_transformers():
+    """-tp 2 on the default Q4_1 file kept in its blocks, batched, under test_gguf_serving's
+    criterion (its docstring says why quantized activations need one)."""
+    import os as _os
+
+    from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs
+    from tests.test_gguf_serving import LOGPROB_NATS, MAX_TOKENS, TIE_NATS
+    from tests.test_gguf_serving import PROMPTS as GGUF_PROMPTS
+    from worker.default_model import find_gguf
+
+    folder, name = _os.path.split(find_gguf())
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    srv = start_server(find_gguf(), *TP2, "--max-model-len", "2048", "--kv-cache-memory",
+                       "256MiB")
+    try:
+        assert "kept in block formats" in srv.log()
+        prompts_ids = [tok(p)["input_ids"] for p in GGUF_PROMPTS]
+        stats = {"exact": 0, "total": 0}
+        for ids, (generated, logprobs) in zip(prompts_ids, generate(srv.url, prompts_ids, True,
+                                                                       MAX_TOKENS)):
+            assert len(generated) == MAX_TOKENS
+            check_against_oracle(oracle_logprobs(model, ids, generated), ids, generated,
+                                 logprobs, stats, TIE_NATS, LOGPROB_NATS)
+        assert stats["exact"] >= 0.9 * stats["total"], stats
+    finally:
+        assert srv.stop() == 0
+
+
 # ---- through the server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def split_server(smollm2_dir):
@@ -232,14 +293,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "api_server.cli", "serve", "--no-speech",
                            "--port", "0", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=180, env=dict(os.environ, PYTHONPATH=ROOT))
-
-
-def test_a_gguf_file_split_needs_a_dtype():
-    out = run_cli(*TP2)  # the default model: a Q4_1 GGUF file
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [
-        "loom: error: --tensor-parallel-size splits float32 or bfloat16 weights: pass "
-        "--dtype float32 (or bfloat16) to serve a GGUF file split"]
 
 
 def test_more_ranks_than_key_value_heads_is_refused(smollm2_dir):

@@ -332,9 +332,6 @@ def _tensor_parallel_plan(cfg: RunnerConfig, config: ModelConfig,
         return None
     if world_size() != cfg.tensor_parallel_size:
         raise RuntimeError("the tensor-parallel process group is not set up")
-    if quantization is not None:
-        raise ValueError("--tensor-parallel-size splits float32 or bfloat16 weights: pass "
-                         "--dtype float32 (or bfloat16) to serve a GGUF file split")
     if config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
         raise ValueError(f"--tensor-parallel-size: {config.architecture} is not split yet "
                          f"(text models of the Llama family and Gemma 3 are)")
@@ -358,7 +355,10 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, mo
     if quantization is not None:
         if dtype != torch.float32:
             raise ValueError("quantized weights compute in float32: use --dtype float32")
-        load_block_weights(model, _block_weights(model_path, quantization))
+        blocks = _block_weights(model_path, quantization)
+        if shard is not None:
+            blocks = shard_hf_weights(blocks, full_config, shard)
+        load_block_weights(model, blocks)
     else:
         materialize_on_cpu(model)  # (the rotary tables were computed on the CPU already)
         weights = _dense_weights(model_path)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from worker import shm_allreduce
+from worker.gguf_file import GGUFTensor
 from worker.model_config import ModelConfig
 from worker.shm_allreduce import SharedMemoryAllReduce
 
@@ -87,11 +88,11 @@ def even_share(n: int, parts: int, index: int) -> range:
     return range(start, start + base + (index < extra))
 
 
-def shard_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig,
-                     plan: ShardPlan) -> dict[str, torch.Tensor]:
+def shard_hf_weights(weights: dict, config: ModelConfig, plan: ShardPlan) -> dict:
     """This rank's part of a Hugging Face state dict (names as transformers' Llama, Qwen2/3,
-    Mistral and Gemma 3 use them). A row-parallel bias is kept by rank 0 only: the all-reduce
-    would add it once per rank."""
+    Mistral and Gemma 3 use them), of torch tensors or of GGUF blocks (GGUFTensor: a block
+    format splits by whole rows, and by columns at multiples of its block's width). A
+    row-parallel bias is kept by rank 0 only: the all-reduce would add it once per rank."""
     d = config.head_dim
     heads = slice(plan.heads.start * d, plan.heads.stop * d)
     kv = slice(plan.kv_heads.start * d, plan.kv_heads.stop * d)
@@ -103,6 +104,10 @@ def shard_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig,
     for name, tensor in weights.items():
         module, _, kind = name.rpartition(".")
         part = module.rpartition("layers.")[2].partition(".")[2]  # "self_attn.q_proj", ...
+        if isinstance(tensor, GGUFTensor):
+            out[name] = _shard_blocks(name, tensor, rows.get(part), columns.get(part),
+                                      kind == "weight", plan.rank)
+            continue
         if part in rows:
             tensor = tensor[rows[part]]
         elif part in columns and kind == "weight":
@@ -111,6 +116,37 @@ def shard_hf_weights(weights: dict[str, torch.Tensor], config: ModelConfig,
             tensor = torch.zeros_like(tensor)
         out[name] = tensor.contiguous()
     return out
+
+
+def _shard_blocks(name: str, t: GGUFTensor, rows: slice | None, columns: slice | None,
+                  is_weight: bool, rank: int) -> GGUFTensor:
+    """A GGUF tensor's part: its data is [rows, row bytes] for a block format, the values
+    otherwise."""
+    if rows is not None:
+        return GGUFTensor(t.qtype, (rows.stop - rows.start, *t.shape[1:]), t.data[rows])
+    if columns is None:
+        return t
+    if not is_weight:  # a row-parallel bias: rank 0's alone
+        return t if rank == 0 else GGUFTensor(t.qtype, t.shape, np.zeros_like(t.data))
+    width = columns.stop - columns.start
+    if not t.is_quantized:
+        return GGUFTensor(t.qtype, (t.shape[0], width),
+                          np.ascontiguousarray(t.data[:, columns]))
+    per_block, block_bytes = block_geometry(t.qtype)
+    if columns.start % per_block or columns.stop % per_block:
+        raise ValueError(f"--tensor-parallel-size: {name} is stored in {t.qtype} blocks of "
+                         f"{per_block} columns, which this split would cut (at column "
+                         f"{columns.start if columns.start % per_block else columns.stop}); "
+                         f"pass --dtype float32 to split its widened weights")
+    cut = slice(columns.start // per_block * block_bytes, columns.stop // per_block * block_bytes)
+    return GGUFTensor(t.qtype, (t.shape[0], width), np.ascontiguousarray(t.data[:, cut]))
+
+
+def block_geometry(qtype: str) -> tuple[int, int]:
+    """(columns per block, bytes per block) of a GGUF block format."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
 
 
 def init_process_group(rank: int, size: int, rendezvous_file: str,
