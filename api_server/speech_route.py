@@ -25,9 +25,9 @@ from api_server.engine_client import EngineClient, EngineDeadError, GenerationFa
 from api_server.openai_routes import error_response
 from api_server.protocol import RequestError, decode_body
 from api_server.server_state import ServerState
+from api_server.speech_text import MAX_INPUT_CHARS, text_to_segments
 from pipelines.tts_context import TTSContext
 
-MAX_INPUT_CHARS = 4096
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 _json = msgspec.json.Encoder()
 
@@ -106,8 +106,6 @@ class SpeechRoute:
             raise RequestError(f"response_format {req.response_format!r} is not supported; use "
                                f"{' or '.join(MEDIA_TYPES)}", param="response_format")
         self.state.check_available()
-        from worker.tts import text_to_segments
-
         try:
             segments = text_to_segments(req.input)
         except ValueError as exc:

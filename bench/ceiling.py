@@ -125,10 +125,11 @@ def run_ceiling(cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -
 
 def _make_runner(cfg: CeilingConfig, max_len: int):
     # Imported here so `bench.run --skip-ceiling` never loads the worker package.
+    from pipelines.checkpoint.model_config import load_model_config
     from worker.device import DTYPES
     from worker.kv_cache import bytes_per_block
-    from worker.model_config import RunnerConfig, load_model_config
     from worker.model_runner import ModelRunner
+    from worker.runner_config import RunnerConfig
 
     # Exactly the blocks the largest batch needs: the default sizing would take 40% of RAM.
     num_blocks = st.blocks_needed(max(cfg.batch_sizes), max_len, cfg.block_size)

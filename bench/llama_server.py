@@ -65,7 +65,7 @@ def loopback_host(host: str) -> str:
 
 
 def default_gguf() -> str:
-    from worker.default_model import find_gguf
+    from pipelines.checkpoint.default_model import find_gguf
 
     return find_gguf()
 

@@ -94,7 +94,7 @@ def chunk_tokens(args) -> int:
 def resolve_model_dir(args) -> str:
     if args.model_dir:
         return os.path.abspath(os.path.expanduser(args.model_dir))
-    from worker.default_model import ensure_default_model
+    from pipelines.checkpoint.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -146,8 +146,8 @@ def print_table(result: dict, args) -> None:
 
 
 def build_model(size: str, target: str) -> str:
+    from pipelines.checkpoint.default_model import ensure_default_model
     from tests.tiny_idefics3 import make_tiny_idefics3
-    from worker.default_model import ensure_default_model
 
     log(f"vision bench: building a random Idefics3 ({size}) in {target} ...")
     return make_tiny_idefics3(target, ensure_default_model(), size)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from api_server import speech_text
 from worker import tts
 
 TEXT = (
@@ -50,7 +51,7 @@ def stream(voice: Any, text: str) -> tuple[float, float, float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     first = None
     samples = 0
-    for pcm in tts.synthesize_segments(voice, tts.text_to_segments(text)):
+    for pcm in tts.synthesize_segments(voice, speech_text.text_to_segments(text)):
         first = first if first is not None else time.perf_counter() - wall
         samples += len(pcm)
     total = time.perf_counter() - wall
@@ -59,7 +60,7 @@ def stream(voice: Any, text: str) -> tuple[float, float, float, float]:
 
 def batch_throughput(voice: Any, batch_size: int) -> tuple[float, float]:
     """Audio seconds per wall second over the long text's segments, and padding waste."""
-    ids = [s.phoneme_ids for s in tts.text_to_segments(TEXT)]
+    ids = [s.phoneme_ids for s in speech_text.text_to_segments(TEXT)]
     # Similar lengths together keep the padding (wasted compute) small.
     ids.sort(key=len)
     groups = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
@@ -79,7 +80,7 @@ def run(threads: int, spinning: bool, batch_sizes: Sequence[int]) -> None:
         )
     )
     print(f"load {load_s:.2f} s, RSS {rss_mib()[0]:.0f} MiB")
-    sentence = tts.text_to_segments("This is the first request after loading.")[0]
+    sentence = speech_text.text_to_segments("This is the first request after loading.")[0]
     _, cold, _ = timed(lambda: voice.synthesize(sentence.phoneme_ids))
     _, warm, _ = timed(lambda: voice.synthesize(sentence.phoneme_ids))
     print(f"first run {cold:.3f} s, same sentence again {warm:.3f} s")
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     spin_modes = {"off": [False], "on": [True], "both": [False, True]}[args.spinning]
-    print(f"{len(tts.text_to_segments(TEXT))} segments for the {len(TEXT)}-char text")
+    print(f"{len(speech_text.text_to_segments(TEXT))} segments for the {len(TEXT)}-char text")
     for threads in args.threads:
         for spinning in spin_modes:
             run(threads, spinning, args.batch)

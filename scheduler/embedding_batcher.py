@@ -1,18 +1,26 @@
-"""Batching embeddings inputs: first come, first served, as many per forward as the padded
-token budget allows (a batch costs about count x longest input)."""
+"""Embeddings as a step source (step_source.py): first come, first served, as many inputs per
+forward as the padded token budget allows (a batch costs about count x longest input)."""
 
 from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from pipelines.embeddings import EmbeddingsContext
+from serialization.messages import EmbeddingOutput, EmbedResult, EmbedStep, ResponseBatch
 
 
 class EmbeddingBatcher:
+    kind = "embed"
+    context_type = EmbeddingsContext
+    result_type = EmbedResult
+
     def __init__(self, max_batch_tokens: int, max_batch_size: int) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[EmbeddingsContext] = deque()
+        self._step_id = 0
 
     @property
     def has_work(self) -> bool:
@@ -34,3 +42,25 @@ class EmbeddingBatcher:
             batch.append(self.waiting.popleft())
             longest = longest_with
         return batch
+
+    def next_step(self) -> tuple[EmbedStep, list[str]] | None:
+        batch = self.next_batch()
+        if not batch:
+            return None
+        step = EmbedStep(
+            step_id=self._step_id,
+            request_ids=[c.request_id for c in batch],
+            input_ids=np.concatenate([c.tokens for c in batch]).astype(np.int32),
+            lengths=np.array([len(c.tokens) for c in batch], dtype=np.int32),
+        )
+        self._step_id += 1
+        return step, step.request_ids
+
+    def finish(self, request_ids: list[str], result: EmbedResult) -> ResponseBatch:
+        if result.error is not None:
+            empty = np.zeros(0, np.float32)
+            outputs = [EmbeddingOutput(rid, empty, result.error) for rid in request_ids]
+        else:
+            outputs = [EmbeddingOutput(rid, result.embeddings[i])
+                       for i, rid in enumerate(request_ids)]
+        return ResponseBatch(outputs=[], embeddings=outputs)

@@ -11,7 +11,8 @@ class FairShare:
         self.busy = {"text": 0.0, "audio": 0.0}
 
     def record(self, kind: str, seconds: float) -> None:
-        self.busy[kind] += seconds
+        if kind in self.busy:  # (embeddings run alone)
+            self.busy[kind] += seconds
 
     def audio_next(self, text_waiting: bool, audio_waiting: bool) -> bool:
         if not (text_waiting and audio_waiting):

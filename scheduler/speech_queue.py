@@ -1,4 +1,4 @@
-"""Speech requests waiting for their next segment.
+"""Speech as a step source (step_source.py): requests waiting for their next segment.
 
 Requests that have produced no audio yet go first (their first segment is short, so the first
 audio comes quickly); the others take turns, one segment each, so a long text doesn't hold
@@ -10,10 +10,16 @@ from __future__ import annotations
 from collections import deque
 
 from pipelines.tts_context import TTSContext
+from serialization.messages import AudioChunk, AudioResult, AudioStep, ResponseBatch
 
 
 class SpeechQueue:
+    kind = "audio"
+    context_type = TTSContext
+    result_type = AudioResult
+
     def __init__(self) -> None:
+        self._step_id = 0
         self.fresh: deque[TTSContext] = deque()
         self.started: deque[TTSContext] = deque()
         self.running: str | None = None  # the request whose segment the worker runs now
@@ -50,3 +56,24 @@ class SpeechQueue:
         self.running, self.cancelled = None, False
         if not (cancelled or failed or ctx.is_done):
             self.started.append(ctx)
+
+    def next_step(self) -> tuple[AudioStep, tuple[TTSContext, int]] | None:
+        """The next segment of the request whose turn it is."""
+        if not self.has_work:
+            return None
+        ctx = self.take()
+        step = AudioStep(step_id=self._step_id, request_id=ctx.request_id,
+                         phoneme_ids=ctx.next_segment(), speed=ctx.speed)
+        self._step_id += 1
+        return step, (ctx, ctx.decoded_index)
+
+    def finish(self, sent: tuple[TTSContext, int], result: AudioResult) -> ResponseBatch:
+        ctx, index = sent
+        ctx.decoded_index += 1
+        failed = result.error is not None
+        chunk = AudioChunk(request_id=ctx.request_id, audio=result.audio, index=index,
+                           is_last=ctx.is_done or failed,
+                           synthesis_seconds=result.finished_at - result.started_at,
+                           error=result.error)
+        self.put_back(ctx, failed)
+        return ResponseBatch(outputs=[], audio=[chunk])

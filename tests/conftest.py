@@ -11,7 +11,7 @@ from tests.helpers import make_tiny_checkpoint  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
-    from worker.default_model import ensure_default_model
+    from pipelines.checkpoint.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -9,8 +9,8 @@ from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.helpers import make_tiny_checkpoint
 from worker.attention import build_attention_metadata
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
+from worker.runner_config import RunnerConfig
 
 
 # qwen2: a qkv bias; bfloat16: bf16 weights and cache, float32 activations; quantized: GGUF

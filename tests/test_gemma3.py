@@ -9,23 +9,23 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import TextContext
+from pipelines.checkpoint.model_config import (
+    UnsupportedModelError,
+    load_model_config,
+    model_config_from_dict,
+    resolve_max_model_len,
+)
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.helpers import hf_greedy, save_with_tokenizer
 from tests.test_model_oracle import run_engine as oracle_run_engine
 from tests.test_model_oracle import run_engine_overlapped
 from worker.attention import build_attention_metadata, sliding_window_metadata
-from worker.model_config import (
-    RunnerConfig,
-    UnsupportedModelError,
-    load_model_config,
-    model_config_from_dict,
-    resolve_max_model_len,
-)
 from worker.model_runner import ModelRunner
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.registry import model_class
+from worker.runner_config import RunnerConfig
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",

@@ -1,4 +1,4 @@
-"""worker/gguf_file.py against the default model's GGUF file (whose converted checkpoint
+"""pipelines/checkpoint/gguf_file.py against the default model's GGUF file (whose converted checkpoint
 transformers made from the same file) and against small hostile files written with gguf's own
 writer: every problem is one GGUFError line, never another exception."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.gguf_file import GGUFError, dequantize, open_gguf
+from pipelines.checkpoint.gguf_file import GGUFError, dequantize, open_gguf
 
 H, HEADS, KV_HEADS, FF, VOCAB = 32, 2, 1, 64, 8
 
@@ -47,8 +47,8 @@ def write_gguf(path, arch="llama", ff_in_header=FF, extra_tensor=None) -> str:
 
 
 def test_default_model_config_and_weights_match_the_converted_checkpoint(smollm2_dir):
-    from worker.default_model import find_gguf
-    from worker.model_config import load_model_config
+    from pipelines.checkpoint.default_model import find_gguf
+    from pipelines.checkpoint.model_config import load_model_config
     from worker.weights import load_checkpoint_weights
 
     model = open_gguf(find_gguf())
@@ -219,7 +219,7 @@ def test_chat_template_fallback(tmp_path, monkeypatch):
     without one is served without (completions only)."""
     from transformers import AutoTokenizer
 
-    from worker.gguf_tokenizer import gguf_tokenizer_dir
+    from pipelines.checkpoint.gguf_tokenizer import gguf_tokenizer_dir
 
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
     gemma = AutoTokenizer.from_pretrained(gguf_tokenizer_dir(

@@ -24,7 +24,7 @@ with --dtype float32 (weights dequantized, no activation quantization) the same 
 with the oracle to 0.001 nats, every token its choice.
 
 Prompt token ids must equal transformers' GGUF tokenizer's exactly, chat prompts included
-(the file has no chat template: Loom supplies Gemma 3's, worker/chat_templates.py). A base
+(the file has no chat template: Loom supplies Gemma 3's, pipelines/checkpoint/chat_templates.py). A base
 model never ends a turn by itself (<end_of_turn> has a log probability near -30 after any
 reply), so the test of <end_of_turn> ending a chat reply forces it with logit_bias once
 min_tokens have been generated.
@@ -36,7 +36,7 @@ import os
 import httpx
 import pytest
 
-from worker.default_model import GEMMA3_NAME, GEMMA3_PARTS
+from pipelines.checkpoint.default_model import GEMMA3_NAME, GEMMA3_PARTS
 
 _MISSING = [p for p, _ in GEMMA3_PARTS if importlib.util.find_spec(p) is None]
 if _MISSING:
@@ -78,7 +78,7 @@ STORY = ("Once upon a time, in a small village by the sea, there lived an old fi
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    from worker.default_model import gemma3_gguf
+    from pipelines.checkpoint.default_model import gemma3_gguf
 
     return gemma3_gguf()
 
@@ -141,7 +141,7 @@ def test_greedy_output_agrees_with_transformers_on_the_gguf(server, oracle, prom
 def test_config_and_weights_are_transformers(gguf_path, oracle):
     """The header read as transformers reads it (and llama.cpp: every 6th layer global, local
     rotary base 10,000), and every tensor, dequantized, equal to the oracle's parameter."""
-    from worker.gguf_file import GGUFTensor, dequantize, open_gguf
+    from pipelines.checkpoint.gguf_file import GGUFTensor, dequantize, open_gguf
 
     model, _ = oracle
     gguf = open_gguf(gguf_path)

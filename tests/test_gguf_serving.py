@@ -42,7 +42,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    from worker.default_model import find_gguf
+    from pipelines.checkpoint.default_model import find_gguf
 
     return find_gguf()
 

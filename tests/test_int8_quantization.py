@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from api_server.cli import build_parser, serve_config_from_args
 from api_server.launcher import StartupError
 from tests.test_model_oracle import run_engine
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 from worker.quant_linear import QuantEmbedding, QuantLinear
+from worker.runner_config import RunnerConfig
 
 TIE_NATS = 0.5
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a time, there was",

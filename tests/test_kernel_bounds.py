@@ -17,9 +17,9 @@ from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from serialization.messages import StepBatch, StepResult
 from tests.helpers import ROOT
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 from worker.process import answer_step
+from worker.runner_config import RunnerConfig
 
 BLOCK = 16  # the native prefill kernel's block size, so both attention kernels run
 

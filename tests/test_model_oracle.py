@@ -10,8 +10,8 @@ from pipelines import SamplingParams, TextContext
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.helpers import hf_greedy, make_tiny_checkpoint
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
+from worker.runner_config import RunnerConfig
 
 PROMPTS = [
     "The quick brown fox",

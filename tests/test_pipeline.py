@@ -6,8 +6,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import SamplingParams, TextContext, TokenGenerator
 from tests.helpers import hf_greedy
-from worker.model_config import RunnerConfig
 from worker.pipeline import TextGenerationPipeline
+from worker.runner_config import RunnerConfig
 
 
 def test_next_token_matches_transformers_and_release_frees(tiny_model_dir):

@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serialization.messages import StepBatch
 from tests.helpers import make_tiny_checkpoint
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
 from worker.pipeline_model import PipelineModel
+from worker.runner_config import RunnerConfig
 
 BLOCK = 4
 

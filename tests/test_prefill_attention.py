@@ -61,8 +61,8 @@ def test_chunked_prefill_with_prefix_hits_matches_transformers(smollm2_dir, tmp_
 
     from tests.helpers import hf_greedy, make_tiny_checkpoint
     from tests.test_model_oracle import NEW_TOKENS, PROMPTS, run_engine
-    from worker.model_config import RunnerConfig
     from worker.model_runner import ModelRunner
+    from worker.runner_config import RunnerConfig
 
     path = make_tiny_checkpoint(str(tmp_path), smollm2_dir, architecture="qwen2", seed=5)
     runner = ModelRunner(RunnerConfig(path, block_size=16, kv_cache_memory=8 << 20))

@@ -242,7 +242,7 @@ def test_shape_and_size_mismatches_are_refused():
 
 
 def _smollm2_gguf() -> str | None:
-    from worker.default_model import find_gguf
+    from pipelines.checkpoint.default_model import find_gguf
     try:
         return find_gguf()
     except (ImportError, FileNotFoundError):

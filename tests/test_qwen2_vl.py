@@ -30,8 +30,8 @@ from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage, StepImage
 from tests.helpers import start_server
 from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, chat, new_context, run_in_process
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
+from worker.runner_config import RunnerConfig
 
 SHARPEN = 6.0
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

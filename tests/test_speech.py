@@ -14,6 +14,7 @@ import openai
 import pytest
 
 import worker.tts as tts
+from api_server import speech_text
 from tests.helpers import start_server
 
 pytestmark = pytest.mark.skipif(not tts.is_available(), reason="the [tts] extra is not installed")
@@ -48,7 +49,7 @@ def test_wav_equals_the_voice_run_directly(server, direct_voice):
     with wave.open(io.BytesIO(r.content)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (22050, 1, 2)
         got = np.frombuffer(w.readframes(10**9), dtype="<i2")
-    want = np.concatenate(list(tts.synthesize_segments(direct_voice, tts.text_to_segments(TEXT))))
+    want = np.concatenate(list(tts.synthesize_segments(direct_voice, speech_text.text_to_segments(TEXT))))
     assert len(got) == len(want)
     assert np.abs(got.astype(np.int32) - want).max() <= 1  # same samples (rounding aside)
     assert np.abs(got).max() > 1000  # not silence
@@ -94,7 +95,7 @@ def test_sse_stream(server, direct_voice):
     assert events[-1]["type"] == "speech.audio.done"
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert events[-1]["usage"]["output_tokens"] == len(pcm) // 2
-    want = np.concatenate(list(tts.synthesize_segments(direct_voice, tts.text_to_segments(TEXT))))
+    want = np.concatenate(list(tts.synthesize_segments(direct_voice, speech_text.text_to_segments(TEXT))))
     assert len(pcm) // 2 == len(want)
 
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipelines.checkpoint.model_config import load_model_config
 from tests.helpers import ROOT, hf_greedy, make_tiny_checkpoint, start_server, wait_gone
 from tests.test_operations import stream_until_end
 from tests.test_server_oracle import PROMPTS, check_all, oracle  # noqa: F401 (a fixture)
-from worker.model_config import load_model_config
 from worker.tensor_parallel import (
     ShardPlan,
     all_reduce,
@@ -126,8 +126,8 @@ def test_shared_memory_all_reduce_sums_every_call(tmp_path):
 def test_gguf_blocks_split_by_rows_and_whole_blocks_of_columns():
     """The default file's Q4_1 layer split for two ranks: each part, dequantized, is the
     matching rows or columns of the whole; a cut inside a block is refused by name."""
-    from worker.default_model import find_gguf
-    from worker.gguf_file import GGUFTensor, dequantize, open_gguf
+    from pipelines.checkpoint.default_model import find_gguf
+    from pipelines.checkpoint.gguf_file import GGUFTensor, dequantize, open_gguf
 
     gguf = open_gguf(find_gguf())
     config = gguf.config
@@ -158,10 +158,10 @@ def test_the_default_gguf_split_agrees_with_transformers():
     criterion (its docstring says why quantized activations need one)."""
     import os as _os
 
+    from pipelines.checkpoint.default_model import find_gguf
     from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs
     from tests.test_gguf_serving import LOGPROB_NATS, MAX_TOKENS, TIE_NATS
     from tests.test_gguf_serving import PROMPTS as GGUF_PROMPTS
-    from worker.default_model import find_gguf
 
     folder, name = _os.path.split(find_gguf())
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -29,12 +29,13 @@ import onnxruntime as ort
 from piper import AudioChunk, PiperVoice
 from piper.config import SynthesisConfig
 
-from worker import tts
-from worker.tts.text import (
+from api_server import speech_text
+from api_server.speech_text import (
     FIRST_SEGMENT_MAX_SYMBOLS,
     SEGMENT_MAX_SYMBOLS,
     Segment,
 )
+from worker import tts
 from worker.tts.voice import OnnxVoice
 
 # Max |batched - unbatched| on raw model output in [-1, 1] (measured ≤ 1.3e-4: float
@@ -74,7 +75,7 @@ def reference() -> PiperVoice:
 def ours(
     voice: OnnxVoice, text: str, speed: float = 1.0
 ) -> tuple[list[Segment], np.ndarray]:
-    segments = tts.text_to_segments(text)
+    segments = speech_text.text_to_segments(text)
     audio = [voice.synthesize(s.phoneme_ids, speed) for s in segments]
     return segments, np.concatenate(audio)
 
@@ -117,7 +118,7 @@ def test_matches_piper_with_default_noise_when_seeded() -> None:
 
 def test_audio_is_nonsilent_22khz_int16(voice: OnnxVoice) -> None:
     assert voice.sample_rate == tts.SAMPLE_RATE == 22050
-    chunks = list(tts.synthesize_segments(voice, tts.text_to_segments(TWO_SENTENCES)))
+    chunks = list(tts.synthesize_segments(voice, speech_text.text_to_segments(TWO_SENTENCES)))
     assert len(chunks) == 2
     for pcm in chunks:
         assert pcm.dtype == np.int16
@@ -133,7 +134,7 @@ def test_duration_grows_with_text(quiet_voice: OnnxVoice) -> None:
 
 
 def test_speed_changes_duration_in_the_right_direction(quiet_voice: OnnxVoice) -> None:
-    ids = tts.text_to_segments("Speaking rate should follow the speed setting.")[0]
+    ids = speech_text.text_to_segments("Speaking rate should follow the speed setting.")[0]
     durations = {
         s: seconds(quiet_voice.synthesize(ids.phoneme_ids, s)) for s in (0.5, 1, 2)
     }
@@ -146,7 +147,7 @@ def test_speed_changes_duration_in_the_right_direction(quiet_voice: OnnxVoice) -
 
 def test_long_text_streams_with_a_short_first_segment(reference: PiperVoice) -> None:
     assert 900 <= len(LONG_TEXT) <= 1100
-    segments = tts.text_to_segments(LONG_TEXT)
+    segments = speech_text.text_to_segments(LONG_TEXT)
     assert len(segments) >= 10
     lengths = [len(s.phonemes) for s in segments]
     # The first sentence is too long for a first segment, so it is cut...
@@ -161,7 +162,7 @@ def test_long_text_streams_with_a_short_first_segment(reference: PiperVoice) -> 
 
 
 def test_whole_sentences_keep_piper_ids(reference: PiperVoice) -> None:
-    segments = tts.text_to_segments(LONG_TEXT)
+    segments = speech_text.text_to_segments(LONG_TEXT)
     # The first sentence became two segments; every later one is a single segment.
     for segment, phonemes in zip(segments[2:], reference.phonemize(LONG_TEXT)[1:]):
         assert segment.phoneme_ids == reference.phonemes_to_ids(phonemes)
@@ -170,12 +171,12 @@ def test_whole_sentences_keep_piper_ids(reference: PiperVoice) -> None:
 @pytest.mark.parametrize("text", ["", "   ", "\n\t \r\n ", "...", "x" * 4097])
 def test_rejects_empty_unspeakable_or_too_long_text(text: str) -> None:
     with pytest.raises(ValueError):
-        tts.text_to_segments(text)
+        speech_text.text_to_segments(text)
 
 
 def test_whitespace_is_normalised() -> None:
     messy = "  Hello \t there,\n  how are\u00a0you?  "
-    assert tts.text_to_segments(messy) == tts.text_to_segments(
+    assert speech_text.text_to_segments(messy) == speech_text.text_to_segments(
         "Hello there, how are you?"
     )
 
@@ -187,7 +188,7 @@ def test_batched_equals_unbatched_within_tolerance(quiet_voice: OnnxVoice) -> No
         "A longer sentence, padded least in the batch of three.",
         "Okay then.",
     ]
-    batch = [tts.text_to_segments(t)[0].phoneme_ids for t in texts]
+    batch = [speech_text.text_to_segments(t)[0].phoneme_ids for t in texts]
     batched = quiet_voice.synthesize_batch(batch, normalize=False)
     for ids, got in zip(batch, batched):
         expected = quiet_voice.synthesize(ids, normalize=False)

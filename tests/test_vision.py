@@ -36,8 +36,8 @@ from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage
 from tests.helpers import start_server
 from tests.tiny_idefics3 import make_tiny_idefics3
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
+from worker.runner_config import RunnerConfig
 
 MAX_TOKENS = 10
 BLOCK = KVCacheConfig.block_size  # the server's KV block (its default): prefix hits are whole

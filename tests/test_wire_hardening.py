@@ -275,7 +275,7 @@ def test_scheduler_drops_counts_and_reports_bad_frames_then_serves(scheduler_loo
     drain_until(loop, lambda: not loop.scheduler.waiting)
     assert not loop.scheduler.waiting  # the valid cancellation after it was applied
 
-    loop._send_outputs([])
+    loop._send(ResponseBatch(outputs=[]))
     stats = None
     while responses.poll(1000):
         msg = decode(responses.recv())

@@ -1,6 +1,6 @@
 """Loading a Llama-family model whose projections stay in GGUF block formats.
 
-Two sources: a GGUF file's tensors as they are (`worker/gguf_file.py`), and a Hugging Face
+Two sources: a GGUF file's tensors as they are (`pipelines/checkpoint/gguf_file.py`), and a Hugging Face
 checkpoint quantized at load time (`--quantization int8`: Q8_0, below). Either way every
 projection becomes a QuantLinear, the fused q/k/v and gate/up ones holding their parts' rows
 one after another (the rows of a block format are independent, so concatenating them is
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.gguf_file import GGUFTensor, dequantize
+from pipelines.checkpoint.gguf_file import GGUFTensor, dequantize
 from worker.quant_linear import QuantEmbedding, QuantLinear, StackedQuantLinear
 from worker.weights import materialize_on_cpu
 

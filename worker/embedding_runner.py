@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
+from pipelines.checkpoint.bert_config import BertConfig
 from worker.models.bert import BertEncoder
-from worker.models.bert_config import BertConfig
 from worker.weights import load_checkpoint_weights, materialize_on_cpu
 
 logger = logging.getLogger(__name__)

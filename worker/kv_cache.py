@@ -9,8 +9,8 @@ import time
 
 import torch
 
+from pipelines.checkpoint.model_config import ModelConfig
 from worker import hugepages
-from worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

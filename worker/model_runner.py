@@ -9,6 +9,9 @@ import time
 import numpy as np
 import torch
 
+from pipelines.checkpoint.gguf_file import dequantize, open_gguf
+from pipelines.checkpoint.gguf_tokenizer import is_gguf
+from pipelines.checkpoint.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pipelines.context import FUTURE_TOKEN
 from serialization.messages import StepBatch, StepResult
 from worker.block_weights import load_block_weights, quantize_weights
@@ -20,16 +23,14 @@ from worker.device import (
     resolve_dtype,
 )
 from worker.fused_decode import FusedDecode
-from worker.gguf_file import dequantize, open_gguf
-from worker.gguf_tokenizer import is_gguf
 from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
 from worker.logits_processors import process_logits
 from worker.logprobs import plan_echo, resolve_echo
-from worker.model_config import ModelConfig, RunnerConfig, load_model_config, resolve_max_model_len
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.pipeline_model import ModelInputs, ModelOutputs, PipelineModel
 from worker.quant_linear import QuantLinear
+from worker.runner_config import RunnerConfig
 from worker.sampler import RequestSamplingState, sample
 from worker.structured_output import GrammarCompiler
 from worker.tensor_parallel import (

@@ -13,8 +13,8 @@ from pipelines.context import TextContext
 from pipelines.response import TextResponse
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from worker.model_config import RunnerConfig
 from worker.model_runner import ModelRunner
+from worker.runner_config import RunnerConfig
 
 
 class TextGenerationPipeline:

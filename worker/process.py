@@ -11,15 +11,16 @@ import traceback
 
 import zmq
 
-from pipelines.cpu_placement import CpuPlacement, short_time_slice, worker_threads
-from pipelines.lifecycle import (
+from pipelines.config import PipelineConfig
+from pipelines.status import PipelineTask
+from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from serialization.cpu_placement import CpuPlacement, short_time_slice, worker_threads
+from serialization.lifecycle import (
     die_with_parent,
     freeze_startup_heap,
     ignore_interrupts,
     setup_logging,
 )
-from pipelines.status import PipelineTask
-from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioResult,
     AudioStep,
@@ -33,6 +34,7 @@ from serialization.messages import (
     WorkerReady,
 )
 from serialization.sockets import MAX_MESSAGE_BYTES, Endpoints, decode_or_drop, make_socket
+from worker.runner_config import RunnerConfig
 
 logger = logging.getLogger("loom.worker")
 
@@ -40,11 +42,12 @@ STARTUP_PREFAULT_SECONDS = 0.3  # of KV cache page faults before the worker repo
 IDLE_MS = 20  # without a step for this long, the worker counts as idle
 
 
-def run_worker(runner_config, endpoints: Endpoints, num_threads: int, log_level: str,
+def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_level: str,
                placement: CpuPlacement | None = None, rank: int = 0) -> None:
     """Entry point of a worker process (spawned by `loom serve`): rank `rank` of
-    `runner_config.tensor_parallel_size` workers holding one model (worker/tensor_parallel.py).
+    `cfg.device.tensor_parallel_size` workers holding one model (worker/tensor_parallel.py).
     Every rank runs every step; rank 0 alone answers the scheduler."""
+    runner_config = RunnerConfig.from_pipeline(cfg)
     die_with_parent()
     ignore_interrupts()
     setup_logging(log_level)

@@ -20,8 +20,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from pipelines.cpu_placement import worker_threads
 from pipelines.grammar import grammar_for_json_schema
+from serialization.cpu_placement import worker_threads
 
 logger = logging.getLogger(__name__)
 

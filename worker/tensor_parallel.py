@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipelines.checkpoint.gguf_file import GGUFTensor
+from pipelines.checkpoint.model_config import ModelConfig
 from worker import shm_allreduce
-from worker.gguf_file import GGUFTensor
-from worker.model_config import ModelConfig
 from worker.shm_allreduce import SharedMemoryAllReduce
 
 logger = logging.getLogger(__name__)

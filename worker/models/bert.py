@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models.bert_config import BertConfig
+from pipelines.checkpoint.bert_config import BertConfig
 from worker.weights import empty_embedding
 
 

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipelines.checkpoint.model_config import ModelConfig
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, sliding_window_metadata, store_kv
-from worker.model_config import ModelConfig
 from worker.models.llama import (
     LlamaForCausalLM,
     RotaryEmbedding,

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipelines.checkpoint.model_config import ModelConfig, VisionConfig
 from serialization.messages import StepImage
-from worker.model_config import ModelConfig, VisionConfig
 from worker.models.llama import load_fused_hf_weights
 from worker.models.vision_language import (
     VISION_ACTIVATIONS,

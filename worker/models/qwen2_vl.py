@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipelines.checkpoint.model_config import ModelConfig, Qwen2VisionConfig
 from serialization.messages import StepImage
 from worker.attention import AttentionMetadata
-from worker.model_config import ModelConfig, Qwen2VisionConfig
 from worker.models.llama import apply_rotary, load_fused_hf_weights
 from worker.models.vision_language import (
     VISION_ACTIVATIONS,

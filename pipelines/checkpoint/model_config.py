@@ -7,14 +7,6 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from pipelines.config import (
-    BatchingConfig,
-    DeviceConfig,
-    KVCacheConfig,
-    PipelineConfig,
-    ServedModelConfig,
-    SpeechConfig,
-)
 from pipelines.status import PipelineTask
 
 # Architectures Loom runs, with what sets them apart (the defaults of their Hugging Face
@@ -126,41 +118,6 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
 
-@dataclass
-class RunnerConfig:
-    """The worker's part of the configuration (pipelines/config.py, where the defaults are)."""
-
-    model_dir: str  # a checkpoint directory or a GGUF file
-    dtype: str | None = ServedModelConfig.dtype  # None: the device's default
-    quantization: str | None = ServedModelConfig.quantization  # None, "gguf" or "int8"
-    tokenizer_dir: str | None = ServedModelConfig.tokenizer_dir
-    block_size: int = KVCacheConfig.block_size
-    max_model_len: int | None = ServedModelConfig.max_model_len
-    max_num_seqs: int = BatchingConfig.max_num_seqs  # (sizes the default KV cache)
-    max_num_batched_tokens: int = BatchingConfig.max_num_batched_tokens  # (a GPU's profiling)
-    kv_cache_memory: int | None = KVCacheConfig.memory
-    task: PipelineTask = ServedModelConfig.task
-    speech: bool = SpeechConfig.enabled
-    speech_noise: bool = SpeechConfig.noise
-    device: str = DeviceConfig.device
-    gpu_memory_utilization: float = DeviceConfig.gpu_memory_utilization
-    tensor_parallel_size: int = DeviceConfig.tensor_parallel_size
-    rank: int = 0  # of this worker among tensor_parallel_size (0: the one that samples)
-
-    @classmethod
-    def from_pipeline(cls, cfg: PipelineConfig) -> "RunnerConfig":
-        m = cfg.model
-        return cls(model_dir=m.model_dir, dtype=m.dtype, quantization=m.quantization,
-                   tokenizer_dir=m.tokenizer_dir, block_size=cfg.kv_cache.block_size,
-                   max_model_len=m.max_model_len, max_num_seqs=cfg.batching.max_num_seqs,
-                   max_num_batched_tokens=cfg.batching.max_num_batched_tokens,
-                   kv_cache_memory=cfg.kv_cache.memory, task=m.task,
-                   speech=cfg.speech.enabled, speech_noise=cfg.speech.noise,
-                   tensor_parallel_size=cfg.device.tensor_parallel_size,
-                   device=cfg.device.device,
-                   gpu_memory_utilization=cfg.device.gpu_memory_utilization)
-
-
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
     limit = config.max_position_embeddings
     # The Llama family attends over the full context: stay inside the window. (Gemma 3's
@@ -197,7 +154,7 @@ def detect_task(model_dir: str) -> PipelineTask:
 def load_model_config(model_dir: str) -> ModelConfig:
     """The config of a checkpoint directory, or of a GGUF file (from its header)."""
     if model_dir.lower().endswith(".gguf"):
-        from worker.gguf_file import open_gguf
+        from pipelines.checkpoint.gguf_file import open_gguf
 
         return open_gguf(model_dir).config
     path = os.path.join(model_dir, "config.json")

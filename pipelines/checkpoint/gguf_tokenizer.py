@@ -4,7 +4,7 @@ worker's grammar compiler) load like any checkpoint's.
 The file's tokenizer.ggml.* metadata is turned into a fast tokenizer by transformers' own GGUF
 loader (`from_pretrained(dir, gguf_file=...)`), so the ids are the ones users of that loader
 get; its chat template comes along. A file without a template gets its model family's own
-where Loom knows it (`worker/chat_templates.py`: Gemma 3's), else none (completions only).
+where Loom knows it (`pipelines/checkpoint/chat_templates.py`: Gemma 3's), else none (completions only).
 Building it reads the whole vocabulary (seconds), so it is done once per file and kept in
 Loom's cache, keyed by the file's path, size and modification time (and the fallback
 templates): a replaced file gets a new directory.
@@ -18,10 +18,10 @@ import shutil
 import sys
 import tempfile
 
-from worker.chat_templates import FALLBACK_TEMPLATES, fallback_template
-from worker.default_model import cache_dir
-from worker.gguf_file import GGUFError
-from worker.gguf_header import HeaderError, read_header
+from pipelines.checkpoint.chat_templates import FALLBACK_TEMPLATES, fallback_template
+from pipelines.checkpoint.default_model import cache_dir
+from pipelines.checkpoint.gguf_file import GGUFError
+from pipelines.checkpoint.gguf_header import HeaderError, read_header
 
 
 def is_gguf(path: str) -> bool:

@@ -186,7 +186,7 @@ if __name__ == "__main__":
     # --gguf: only what serving the GGUF file needs (its tokenizer directory; deploy/Dockerfile);
     # otherwise the converted float32 checkpoint as well (the tests' oracle reads it).
     if "--gguf" in sys.argv[1:]:
-        from worker.gguf_tokenizer import gguf_tokenizer_dir
+        from pipelines.checkpoint.gguf_tokenizer import gguf_tokenizer_dir
 
         print(gguf_tokenizer_dir(find_gguf()))
     else:

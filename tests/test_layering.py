@@ -1,0 +1,66 @@
+"""The packages import along the process boundaries: the API process (api_server/) imports
+nothing of the worker or the scheduler, which run in other processes; pipelines/ and
+serialization/, which all three processes import, import none of the three roles.
+
+Imports are read from the source (every `import` and `from` statement, inside functions
+too), and `loom serve`'s own modules are imported to see what they pull in."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROLES = {"api_server", "scheduler", "worker"}
+
+# What each package may import of the others. worker/pipeline.py drives the real Scheduler in
+# one process (TextGenerationPipeline), so the worker may import the scheduler's policy.
+ALLOWED = {
+    "api_server": {"pipelines", "serialization"},
+    "scheduler": {"pipelines", "serialization"},
+    "worker": {"pipelines", "serialization", "scheduler"},
+    "serialization": {"pipelines"},
+    "pipelines": set(),
+}
+
+
+def imported_packages(path: pathlib.Path) -> set[tuple[str, int]]:
+    """(top-level package, line) of every absolute import in a file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {(alias.name.split(".")[0], node.lineno) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add((node.module.split(".")[0], node.lineno))
+    return found
+
+
+def test_the_reader_sees_imports_inside_functions(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from worker.process import run_worker\n    import scheduler\n")
+    assert imported_packages(source) == {("worker", 2), ("scheduler", 3)}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_it_may(package):
+    own = set(ALLOWED) - {package}
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {imported}"
+             for path in sorted((ROOT / package).rglob("*.py"))
+             for imported, line in sorted(imported_packages(path))
+             if imported in own and imported not in ALLOWED[package]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_loom_serve_loads_no_worker_scheduler_or_torch():
+    """The API process spawns the roles by name: importing `loom serve` (the CLI and the
+    launcher) loads neither their code nor PyTorch."""
+    code = ("import sys, api_server.cli, api_server.launcher\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'worker', 'scheduler', 'torch', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.strip() == "[]"
