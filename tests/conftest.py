@@ -27,3 +27,19 @@ def untied_tiny_model_dir(smollm2_dir, tmp_path_factory) -> str:
     repeats its last token), for tests that compare texts across APIs."""
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-untied")), smollm2_dir,
                                 tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def gguf_oracle():
+    """(model, tokenizer): transformers loading the default GGUF file (dequantized to float32),
+    the oracle of the tests that serve that file. Loaded once: it takes ~10 s."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.checkpoint.default_model import find_gguf
+
+    folder, name = os.path.split(find_gguf())
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    return model, tok

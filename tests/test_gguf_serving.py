@@ -19,8 +19,6 @@ import os
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs
 from tests.helpers import start_server
@@ -48,12 +46,8 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def oracle(gguf_path):
-    folder, name = os.path.split(gguf_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                 dtype=torch.float32).eval()
-    return model, tok
+def oracle(gguf_oracle):
+    return gguf_oracle
 
 
 @pytest.fixture(scope="module")

@@ -153,20 +153,15 @@ def test_gguf_blocks_split_by_rows_and_whole_blocks_of_columns():
                          ShardPlan.for_rank(wide, 0, 2))
 
 
-def test_the_default_gguf_split_agrees_with_transformers():
+def test_the_default_gguf_split_agrees_with_transformers(gguf_oracle):
     """-tp 2 on the default Q4_1 file kept in its blocks, batched, under test_gguf_serving's
     criterion (its docstring says why quantized activations need one)."""
-    import os as _os
-
     from pipelines.checkpoint.default_model import find_gguf
     from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs
     from tests.test_gguf_serving import LOGPROB_NATS, MAX_TOKENS, TIE_NATS
     from tests.test_gguf_serving import PROMPTS as GGUF_PROMPTS
 
-    folder, name = _os.path.split(find_gguf())
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                 dtype=torch.float32).eval()
+    model, tok = gguf_oracle
     srv = start_server(find_gguf(), *TP2, "--max-model-len", "2048", "--kv-cache-memory",
                        "256MiB")
     try:
