@@ -38,7 +38,7 @@ _KEY_RANGE = 1 << 62
 
 
 class InputError(ValueError):
-    """A context that the model can't take (the seeds' `validate_*` helpers raise it)."""
+    """A context that the model can't take (MAX's `validate_*` helpers raise it)."""
 
 
 def hash_image(pixel_values: np.ndarray) -> int:
@@ -70,7 +70,7 @@ class ImageMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
 class TextAndVisionContext(TextContext, kw_only=True, omit_defaults=True, eq=False):
     vision_token_ids: list[int]
     images: list[ImageMetadata] = msgspec.field(default_factory=list)
-    # Model-specific arrays (the seeds' name); Idefics3 needs none, Qwen2-VL image_grid_thw
+    # Model-specific arrays (MAX's name); Idefics3 needs none, Qwen2-VL image_grid_thw
     # [images, 3] and rope_positions [3, prompt length] (api_server/qwen2_vl_processor.py).
     extra_model_args: dict[str, np.ndarray] = msgspec.field(default_factory=dict)
 
@@ -93,7 +93,7 @@ class TextAndVisionContext(TextContext, kw_only=True, omit_defaults=True, eq=Fal
                 raise ValueError(f"images must start and end with a vision token "
                                  f"({self.vision_token_ids})")
 
-    # ---- the seeds' vision properties ------------------------------------------------------
+    # ---- MAX's vision properties ------------------------------------------------------------
     @property
     def image_idx(self) -> int:
         """Index of the next image not yet fully processed."""
@@ -148,7 +148,7 @@ class TextAndVisionContext(TextContext, kw_only=True, omit_defaults=True, eq=Fal
         return keyed
 
 
-# ---- the seeds' validate_* helpers ---------------------------------------------------------
+# ---- MAX's validate_* helpers ---------------------------------------------------------------
 # MAX's vision tokenizers call these on the context they built; each raises InputError.
 
 def validate_requires_vision_context(context: TextContext) -> None:
