@@ -174,12 +174,41 @@ def call_overhead(repeats: int) -> float:
     return t["call"] / 211
 
 
+def prefill_paths(rows_list: list[int], repeats: int, rng: np.random.Generator) -> None:
+    """Q4_1's 30 layers (no lm_head) at prefill row counts: QuantLinear's integer path against
+    its dequantized float32 panels, beside packed float32, timed in turns."""
+    layers, _ = model_layers(QuantType.Q4_1, rng)
+    f32_layers, _ = model_layers(None, rng)
+    modules = [m for layer in layers for m in layer]
+    no_head = nn.Identity()
+    no_head.in_features = HIDDEN
+
+    def with_float_rows(run, float_rows):
+        def timed():
+            for m in modules:
+                m.float_rows = float_rows
+            run()
+        return timed
+    print("\nQ4_1 layers at prefill rows, ms per pass (integer path / dequantized panels):")
+    print(f"{'rows':>5} {'int8':>8} {'panels':>8} {'f32':>8} {'int8/panels':>12}")
+    for rows in rows_list:
+        run = token_pass(layers, no_head, rows)
+        t = medians({"int8": with_float_rows(run, None), "panels": with_float_rows(run, 1),
+                     "f32": token_pass(f32_layers, no_head, rows)}, repeats)
+        print(f"{rows:>5} {t['int8'] * 1e3:8.1f} {t['panels'] * 1e3:8.1f} {t['f32'] * 1e3:8.1f} "
+              f"{t['int8'] / t['panels']:12.3f}")
+    for m in modules:
+        m.float_rows = QuantLinear.FLOAT_ROWS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
     parser.add_argument("--formats", nargs="+", default=["Q4_1", "Q8_0", "Q4_K"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--skip-shapes", action="store_true", help="only the whole-model rows")
+    parser.add_argument("--prefill-paths", type=int, nargs="+", metavar="ROWS",
+                        help="only compare Q4_1's two paths at these row counts")
     args = parser.parse_args()
     formats = [QuantType[f.upper()] for f in args.formats]
     kernel = default_kernel()
@@ -189,6 +218,9 @@ def main() -> None:
           f"threads: {torch.get_num_threads()}")
     bandwidth = read_bandwidth()
     print(f"read bandwidth (torch sum over 400 MB): {bandwidth:.1f} GB/s")
+    if args.prefill_paths:
+        prefill_paths(args.prefill_paths, args.repeats, rng)
+        return
     overhead = call_overhead(args.repeats)
     print(f"fixed cost per QuantLinear call: {overhead * 1e6:.1f} us "
           f"(x 211 calls = {overhead * 211e3:.2f} ms of each one-row token below)")

