@@ -3,6 +3,7 @@ float32 GEMM (worker/packed_linear.py) on SmolLM2-135M's shapes, and the memory 
 that bounds a one-row decode.
 
     .venv/bin/python -m bench.quant_linear [--rows 1 16 64 512] [--formats Q4_1 Q8_0 Q4_K]
+    .venv/bin/python -m bench.quant_linear --layouts 1 16 64 [--repeats N]
 
 A "token" at one row is the model's linear layers in order: 30 layers x (q, k, v, o, gate, up,
 down), each with its own weights as in the real model (so they come from memory, not from a
@@ -56,13 +57,14 @@ def stand_in(qtype: QuantType, features: int) -> int:
     return max(elements, features // elements * elements)
 
 
-def model_layers(qtype: QuantType | None, rng: np.random.Generator):
+def model_layers(qtype: QuantType | None, rng: np.random.Generator, interleave: bool = True):
     """[[q, k, v, o, gate, up, down] x 30], lm_head: QuantLinear, or PackedLinear for None."""
     def make(out_f: int, in_f: int):
         if qtype is None:
             return PackedLinear(nn.Linear(in_f, out_f, bias=False))
         in_f = stand_in(qtype, in_f)
-        return QuantLinear(qtype, random_blocks(qtype, out_f, in_f, rng), (out_f, in_f))
+        return QuantLinear(qtype, random_blocks(qtype, out_f, in_f, rng), (out_f, in_f),
+                           interleave=interleave)
     layers = [[make(o, i) for _, o, i in LAYER_SHAPES] for _ in range(LAYERS)]
     return layers, make(VOCAB, HIDDEN)
 
@@ -93,9 +95,10 @@ def token_pass(layers, head, rows: int):
 
 def direct_pass(layers, head, rows: int):
     """token_pass with the kernel called straight through ctypes (arguments prepared once, no
-    nn.Module): what a decode loop driving the kernel from C would pay, near enough."""
+    nn.Module): what a decode loop driving the kernel from C would pay, near enough. (head:
+    None for the layers alone.)"""
     calls = []
-    for module in [m for layer in layers for m in layer] + [head]:
+    for module in [m for layer in layers for m in layer] + ([head] if head else []):
         x = torch.randn(rows, module.in_features)
         y = torch.empty(rows, module.out_features)
         qtype, weight, row_bytes, bias = module._fixed
@@ -201,6 +204,30 @@ def prefill_paths(rows_list: list[int], repeats: int, rng: np.random.Generator) 
         m.float_rows = QuantLinear.FLOAT_ROWS
 
 
+def layouts(rows_list: list[int], repeats: int, rng: np.random.Generator) -> None:
+    """The GGUF file's mix (Q4_1 layers, Q8_0 lm_head) with rows interleaved by 8 (the
+    default where the kernel has that layout) against the GGUF layout, kernel calls only."""
+    mixes = {}
+    for interleave in (True, False):
+        layers, _ = model_layers(QuantType.Q4_1, rng, interleave)
+        head = QuantLinear(QuantType.Q8_0, random_blocks(QuantType.Q8_0, VOCAB, HIDDEN, rng),
+                           (VOCAB, HIDDEN), interleave=interleave, float_rows=None)
+        mixes[interleave] = (layers, head)
+    no_layers: list = []
+    print("\nQ4_1 layers + Q8_0 lm_head, ms per step (interleaved by 8 / GGUF layout):")
+    print(f"{'rows':>5} {'layers x8':>10} {'layers':>8} {'ratio':>6} {'head x8':>8} "
+          f"{'head':>7} {'ratio':>6}")
+    for rows in rows_list:
+        t = medians({
+            "layers x8": direct_pass(mixes[True][0], None, rows),
+            "layers": direct_pass(mixes[False][0], None, rows),
+            "head x8": direct_pass(no_layers, mixes[True][1], rows),
+            "head": direct_pass(no_layers, mixes[False][1], rows)}, repeats)
+        print(f"{rows:>5} {t['layers x8'] * 1e3:10.2f} {t['layers'] * 1e3:8.2f} "
+              f"{t['layers x8'] / t['layers']:6.2f} {t['head x8'] * 1e3:8.2f} "
+              f"{t['head'] * 1e3:7.2f} {t['head x8'] / t['head']:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
@@ -209,6 +236,8 @@ def main() -> None:
     parser.add_argument("--skip-shapes", action="store_true", help="only the whole-model rows")
     parser.add_argument("--prefill-paths", type=int, nargs="+", metavar="ROWS",
                         help="only compare Q4_1's two paths at these row counts")
+    parser.add_argument("--layouts", type=int, nargs="+", metavar="ROWS",
+                        help="only compare rows interleaved by 8 with the GGUF layout")
     args = parser.parse_args()
     formats = [QuantType[f.upper()] for f in args.formats]
     kernel = default_kernel()
@@ -220,6 +249,9 @@ def main() -> None:
     print(f"read bandwidth (torch sum over 400 MB): {bandwidth:.1f} GB/s")
     if args.prefill_paths:
         prefill_paths(args.prefill_paths, args.repeats, rng)
+        return
+    if args.layouts:
+        layouts(args.layouts, args.repeats, rng)
         return
     overhead = call_overhead(args.repeats)
     print(f"fixed cost per QuantLinear call: {overhead * 1e6:.1f} us "

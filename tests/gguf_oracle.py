@@ -11,7 +11,9 @@ import torch
 async def _complete(client, url, prompt_ids, max_tokens, timeout):
     r = await client.post(url + "/v1/completions", json={
         "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
-        "return_tokens_as_token_ids": True}, timeout=timeout)
+        # a near tie broken the other way may lead to an end of text the oracle's branch
+        # would not reach yet: every prompt is checked over all max_tokens positions
+        "ignore_eos": True, "return_tokens_as_token_ids": True}, timeout=timeout)
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]

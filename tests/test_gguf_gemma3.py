@@ -50,7 +50,9 @@ from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs  #
 from tests.helpers import start_server  # noqa: E402
 
 TIE_NATS = 0.5
-LOGPROB_NATS = 0.3
+# 8-bit activations through every layer: deviations up to 0.34 nats were measured (2026-11-26,
+# a Xeon with AVX-512; 0.2-0.3 on an EPYC), typically 0.1-0.2.
+LOGPROB_NATS = 0.45
 MAX_TOKENS = 24
 WINDOW = 512
 END_OF_TURN = 106

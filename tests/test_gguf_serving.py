@@ -4,7 +4,7 @@ which dequantizes it to float32).
 
 Agreement criterion. Loom's decode steps quantize the activations to 8 bits per block of 32
 before the integer dot products (as llama.cpp does; `worker/quant_linear.py`), so its logits
-differ from the float32 oracle by a few hundredths of a nat, and greedy decoding can take the
+differ from the float32 oracle by a tenth of a nat or two, and greedy decoding can take the
 other branch where the oracle's top two tokens are that close (SmolLM2's "The"/"L" after "What
 is the capital of France?" are 0.08 apart). So the test teacher-forces the oracle on Loom's own
 output and requires, at every generated position:
@@ -24,7 +24,9 @@ from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs
 from tests.helpers import start_server
 
 TIE_NATS = 0.5
-LOGPROB_NATS = 0.3
+# 8-bit activations through every layer: deviations up to 0.34 nats were measured (2026-11-26,
+# a Xeon with AVX-512; 0.2-0.3 on an EPYC), typically 0.1-0.2.
+LOGPROB_NATS = 0.45
 MAX_TOKENS = 24
 PROMPTS = [
     "The capital of France is",

@@ -188,25 +188,53 @@ def test_dequantize_rows_rejects_ids_outside_the_table():
 
 
 # The code paths of other machines, built here: the portable C of a CPU without AVX2 or NEON,
-# the VNNI dot products of AVX-512 / AVX-VNNI CPUs (dpbusd computed in C), and the 4 x 4
-# tiles that AVX-512 and aarch64 builds use.
+# the VNNI dot products of AVX-512 / AVX-VNNI CPUs (dpbusd computed in C), AVX2 without VNNI,
+# and the 4 x 4 tiles that AVX-512 and aarch64 builds use. 37 weight rows keep the GGUF
+# layout, 40 are interleaved by 8 where the build has that layout.
 @needs_kernel
 @pytest.mark.parametrize("defines", [("LOOM_QUANT_GENERIC",),
                                      ("LOOM_QUANT_EMULATE_VNNI", "LOOM_QUANT_R=2",
-                                      "LOOM_QUANT_C=2"),
+                                      "LOOM_QUANT_C=2", "LOOM_QUANT_X8_R=2"),
+                                     ("LOOM_QUANT_NO_VNNI",),
                                      ("LOOM_QUANT_R=4", "LOOM_QUANT_C=4")],
-                         ids=["portable", "vnni", "tile4x4"])
+                         ids=["portable", "vnni", "avx2", "tile4x4"])
 def test_other_machines_code_paths(defines):
     kernel = QuantKernel.load(defines)
     assert kernel is not None
     for qtype in QuantType:
         in_f = IN_FEATURES[qtype][0]
-        raw = random_weight(qtype, 37, in_f)
-        x = np.random.default_rng(3).standard_normal((9, in_f)).astype(np.float32)
-        check_against_reference(QuantLinear(qtype, raw, (37, in_f), kernel=kernel,
-                                            float_rows=None), raw, x)
-        check_float_path(QuantLinear(qtype, raw, (37, in_f), kernel=kernel, float_rows=1),
-                         raw, x)
+        for out_f in (37, 40):
+            raw = random_weight(qtype, out_f, in_f)
+            x = np.random.default_rng(3).standard_normal((9, in_f)).astype(np.float32)
+            check_against_reference(QuantLinear(qtype, raw, (out_f, in_f), kernel=kernel,
+                                                float_rows=None), raw, x)
+            check_float_path(QuantLinear(qtype, raw, (out_f, in_f), kernel=kernel,
+                                         float_rows=1), raw, x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0],
+                         ids=lambda q: q.name)
+def test_rows_interleaved_by_8_give_the_gguf_layouts_numbers(qtype):
+    # On AVX2 these formats are stored 8 rows interleaved (quant_linear.c's QL_X8) when the
+    # rows are a multiple of 8: the same products, summed in another order.
+    raw = random_weight(qtype, 48, 576)
+    interleaved = QuantLinear(qtype, raw, (48, 576), float_rows=None)
+    plain = QuantLinear(qtype, raw, (48, 576), float_rows=None, interleave=False)
+    assert not plain.interleaved
+    assert interleaved.interleaved == KERNEL.isa.startswith("AVX2")
+    assert not QuantLinear(qtype, random_weight(qtype, 44, 576), (44, 576)).interleaved
+    x = torch.randn(600, 576)
+    for rows in (1, 3, 17, 64):
+        torch.testing.assert_close(interleaved(x[:rows]), plain(x[:rows]), rtol=1e-5, atol=1e-4)
+    interleaved.float_rows = plain.float_rows = 1  # the float32 path: its panels too
+    for rows in (1, 130, 600):
+        torch.testing.assert_close(interleaved(x[:rows]), plain(x[:rows]), rtol=1e-5, atol=1e-4)
+    ids = torch.tensor([0, 7, 8, 47, 13])
+    assert torch.equal(interleaved.dequantize_rows(ids), plain.dequantize_rows(ids))
+    w = reference_weight(qtype, raw, 48)
+    np.testing.assert_allclose(interleaved.dequantize().numpy(), w, rtol=0,
+                               atol=1e-6 * np.abs(w).max())
 
 
 @needs_kernel

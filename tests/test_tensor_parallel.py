@@ -83,8 +83,9 @@ def test_row_parallel_parts_sum_to_the_whole_layer(smollm2_dir):
               for r in range(2)]
     parts = [layer(w) for w in shards]
     whole = layer(weights)
-    for k in range(2):
-        torch.testing.assert_close(parts[0][k] + parts[1][k], whole[k], rtol=1e-4, atol=1e-3)
+    for k in range(2):  # (float32 sums of ~1e4-sized terms: the tolerance scales with them)
+        torch.testing.assert_close(parts[0][k] + parts[1][k], whole[k], rtol=1e-4,
+                                   atol=1e-6 * float(whole[k].abs().max()))
     assert torch.equal(shards[1]["model.norm.weight"], weights["model.norm.weight"])
     assert shards[1][f"{p}self_attn.k_proj.weight"].shape == (d, h)  # its one kv head
 

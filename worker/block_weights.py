@@ -105,9 +105,8 @@ def embedding_and_head(table: GGUFTensor,
         weight = dequantize(table)
         embedding = nn.Embedding(*weight.shape, _weight=weight)
     if head is None:
-        if table.is_quantized:
-            return embedding, QuantLinear(table.qtype, table_linear.weight, table.shape,
-                                          float_rows=None)
+        if table.is_quantized:  # one module, two uses: the bytes (maybe interleaved) once
+            return embedding, table_linear
         head_linear = nn.Linear(table.shape[1], table.shape[0], bias=False)
         head_linear.weight = embedding.weight
         return embedding, head_linear

@@ -141,6 +141,6 @@ def _projection(module) -> _Projection:
         return parts[0]
     bias = module.bias.data_ptr() if module.bias is not None else None
     if isinstance(module, QuantLinear):
-        return _Projection(int(module.qtype), module.weight.data_ptr(), module.row_bytes, bias,
-                           module.float_rows or 0)
+        return _Projection(module.kernel_kind, module.weight.data_ptr(), module.row_bytes,
+                           bias, module.float_rows or 0)
     return _Projection(_PROJ_KIND[module.dtype], module.packed.data_ptr(), 0, bias, 0)

@@ -58,6 +58,10 @@ BLOCK_LAYOUT = {
 
 ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX2+VNNI", 3: "NEON"}
 
+# Added to a type number in a kernel call: the weight's rows are interleaved by 8
+# (quant_linear.c's QL_X8 layout).
+INTERLEAVED = 0x100
+
 
 def quant_type(qtype) -> QuantType:
     """A QuantType from a gguf.GGMLQuantizationType, its number or its name ("Q4_1")."""
@@ -77,6 +81,10 @@ class QuantKernel:
             fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.interleave = lib.loom_quant_interleave
+        self.interleave.restype = ctypes.c_int
+        self.interleave.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                    ctypes.c_int, ctypes.c_void_p]
         self.dequantize_rows = lib.loom_quant_dequantize_rows
         self.dequantize_rows.restype = ctypes.c_int
         self.dequantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
@@ -104,7 +112,10 @@ class QuantLinear(nn.Module):
     `raw` is the tensor's bytes as GGUF stores them: [out_features, row bytes] uint8 (or any
     shape holding those bytes), e.g. a gguf.ReaderTensor's `data`. `kernel=None` takes the
     native kernel if one builds here; pass `False` for the PyTorch path. `float_rows`: from how
-    many rows on a call takes the float32 path (the module docstring says why; None: never)."""
+    many rows on a call takes the float32 path (the module docstring says why; None: never).
+    `interleave`: store the rows interleaved by 8 where the kernel has that layout for the
+    format (quant_linear.c's QL_X8: ~1.5x faster at one row); `weight` then holds the GGUF
+    bytes rearranged, which only the native kernel reads."""
 
     # Where the float32 path overtakes the integer one on the SmolLM2 shapes (the 2-core AVX2
     # EPYC here): even at 64 rows, 1.1-1.4x faster at 256-512 (bench/quant_linear.py).
@@ -112,7 +123,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, qtype, raw, shape: tuple[int, int], bias: torch.Tensor | None = None,
                  kernel: QuantKernel | None | bool = None,
-                 float_rows: int | None = FLOAT_ROWS) -> None:
+                 float_rows: int | None = FLOAT_ROWS, interleave: bool = True) -> None:
         super().__init__()
         self.float_rows = float_rows
         self.qtype = quant_type(qtype)
@@ -122,18 +133,40 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{self.qtype.name} rows are whole blocks of {elements} values; "
                              f"in_features={self.in_features} is not")
         self.row_bytes = self.in_features // elements * nbytes
-        weight = _as_uint8_tensor(raw)
-        if weight.numel() != self.out_features * self.row_bytes:
-            raise ValueError(f"{weight.numel()} bytes do not hold a {self.qtype.name} "
-                             f"[{self.out_features}, {self.in_features}] weight "
-                             f"({self.out_features * self.row_bytes} bytes)")
+        self.kernel = (default_kernel() if kernel is None else kernel) or None
+        weight, self.interleaved = self._weight_bytes(raw, interleave)
         self.register_buffer("weight", weight.reshape(self.out_features, self.row_bytes),
                              persistent=False)
         if bias is not None:
             bias = bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
-        self.kernel = (default_kernel() if kernel is None else kernel) or None
         self._bind()
+
+    def _weight_bytes(self, raw, interleave: bool) -> tuple[torch.Tensor, bool]:
+        """The weight's bytes as the kernel will read them, and whether interleaved."""
+        source = raw.detach().contiguous().view(torch.uint8).reshape(-1) \
+            if isinstance(raw, torch.Tensor) else _as_uint8_array(raw)
+        size = source.numel() if isinstance(source, torch.Tensor) else source.size
+        if size != self.out_features * self.row_bytes:
+            raise ValueError(f"{size} bytes do not hold a {self.qtype.name} "
+                             f"[{self.out_features}, {self.in_features}] weight "
+                             f"({self.out_features * self.row_bytes} bytes)")
+        if interleave and self.kernel is not None:
+            # Straight from the source (the file's mapping) into the layout, with no copy of
+            # the GGUF layout in between.
+            dest = hugepages.empty_tensor((size,), torch.uint8)
+            pointer = source.data_ptr() if isinstance(source, torch.Tensor) \
+                else source.ctypes.data
+            if self.kernel.interleave(int(self.qtype), pointer, self.row_bytes,
+                                      self.out_features, self.in_features,
+                                      dest.data_ptr()) == 0:
+                return dest, True
+        return _as_uint8_tensor(raw), False
+
+    @property
+    def kernel_kind(self) -> int:
+        """The type number a kernel call takes for this weight (with its layout)."""
+        return int(self.qtype) | (INTERLEAVED if self.interleaved else 0)
 
     def _bind(self) -> None:
         """The kernel call's fixed arguments, as plain ints: a decode step makes ~200 of
@@ -142,7 +175,7 @@ class QuantLinear(nn.Module):
         bias = self._buffers["bias"]
         self._call = None if self.kernel is None else self.kernel.linear
         self._call_f32 = None if self.kernel is None else self.kernel.linear_f32
-        self._fixed = (int(self.qtype), self._buffers["weight"].data_ptr(), self.row_bytes,
+        self._fixed = (self.kernel_kind, self._buffers["weight"].data_ptr(), self.row_bytes,
                        None if bias is None else bias.data_ptr())
 
     def _apply(self, fn, *args, **kwargs):
@@ -198,7 +231,7 @@ class QuantLinear(nn.Module):
         ids = ids.contiguous()
         out = torch.empty(len(ids), self.in_features, dtype=torch.float32)
         if len(ids):
-            self.kernel.dequantize_rows(self.qtype, self.weight.data_ptr(), self.row_bytes,
+            self.kernel.dequantize_rows(self.kernel_kind, self.weight.data_ptr(), self.row_bytes,
                                         ids.data_ptr(), len(ids), self.in_features,
                                         out.data_ptr())
         return out
@@ -211,7 +244,7 @@ class QuantLinear(nn.Module):
         path = "PyTorch" if self.kernel is None else self.kernel.isa
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype.name}, bias={self.bias is not None}, kernel={path}, "
-                f"float_rows={self.float_rows}")
+                f"interleaved={self.interleaved}, float_rows={self.float_rows}")
 
 
 def as_float_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -275,11 +308,16 @@ def _as_uint8_tensor(raw) -> torch.Tensor:
     pages the hardware prefetcher stops at every page (worker/hugepages.py)."""
     if isinstance(raw, torch.Tensor):
         return raw.detach().contiguous().view(torch.uint8).reshape(-1)
-    array = np.ascontiguousarray(np.frombuffer(raw, np.uint8) if isinstance(raw, bytes)
-                                 else np.asarray(raw)).view(np.uint8).reshape(-1)
+    array = _as_uint8_array(raw)
     tensor = hugepages.empty_tensor((array.size,), torch.uint8)
     tensor.numpy()[:] = array
     return tensor
+
+
+def _as_uint8_array(raw) -> np.ndarray:
+    """raw's bytes as a flat uint8 array (a view where raw is contiguous)."""
+    return np.ascontiguousarray(np.frombuffer(raw, np.uint8) if isinstance(raw, bytes)
+                                else np.asarray(raw)).view(np.uint8).reshape(-1)
 
 
 # -- the PyTorch path: dequantization of whole blocks ------------------------------------------

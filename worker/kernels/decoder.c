@@ -81,7 +81,7 @@ static void linear(const Projection *p, const float *x, int64_t ldx, float *y, i
 static int projection_ok(const Projection *p, int K) {
     for (; p; p = p->next)
         if (p->kind > PROJ_BF16 &&
-            (ql_chunk_for(p->kind) == NULL || K % (32 * ql_subblocks(p->kind)) != 0))
+            (ql_kernel_for(p->kind) == NULL || K % (32 * ql_subblocks(p->kind)) != 0))
             return 0;
     return 1;
 }

@@ -44,8 +44,9 @@
  * into float32 and accumulates. Keeping the ISA-specific code here lets the block formats and
  * the tiling be written once.
  *
- * LOOM_QUANT_GENERIC forces the portable path and LOOM_QUANT_EMULATE_VNNI runs the VNNI path
- * with dpbusd computed in C: both let a test check code this CPU would not otherwise run.
+ * LOOM_QUANT_GENERIC forces the portable path, LOOM_QUANT_EMULATE_VNNI runs the VNNI path
+ * with dpbusd computed in C and LOOM_QUANT_NO_VNNI the AVX2 path without it: they let a test
+ * check code this CPU would not otherwise run.
  * (One file with the rest, not a header: every source of worker/kernels/ is a kernel.)
  */
 #if defined(LOOM_QUANT_GENERIC)
@@ -53,8 +54,8 @@
 #elif defined(__AVX2__)
 #define QS_AVX2 1
 #include <immintrin.h>
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__) || \
-    defined(LOOM_QUANT_EMULATE_VNNI)
+#if ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__) || \
+     defined(LOOM_QUANT_EMULATE_VNNI)) && !defined(LOOM_QUANT_NO_VNNI)
 #define QS_VNNI 1
 #endif
 #elif defined(__aarch64__) && defined(__ARM_NEON)
@@ -448,7 +449,7 @@ enum { QL_Q4_0 = 2, QL_Q4_1 = 3, QL_Q5_0 = 6, QL_Q5_1 = 7, QL_Q8_0 = 8,
 
 /* Bytes per block and 32-element blocks per block (the K-quants' 256-element super-blocks). */
 QS_INLINE int ql_block_bytes(const int qt) {
-    switch (qt) {
+    switch (qt & 0xFF) { /* (the low byte: without ql_x8's layout flag) */
     case QL_Q4_0: return 18;
     case QL_Q4_1: return 20;
     case QL_Q5_0: return 22;
@@ -460,7 +461,7 @@ QS_INLINE int ql_block_bytes(const int qt) {
     default: return 0;
     }
 }
-QS_INLINE int ql_subblocks(const int qt) { return qt >= QL_Q4_K ? 8 : 1; }
+QS_INLINE int ql_subblocks(const int qt) { return (qt & 0xFF) >= QL_Q4_K ? 8 : 1; }
 QS_INLINE int ql_has_offset(const int qt) { return qt != QL_Q8_0; }
 /* Offsets per block: one (per 32 weights), or two for Q6_K's scales per 16. */
 QS_INLINE int ql_offsets(const int qt) { return qt == QL_Q6_K ? 2 : 1; }
@@ -911,6 +912,258 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
     }
 }
 
+/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q8_0) --------------------------------
+ *
+ * In the GGUF layout a weight row's blocks follow each other, so a tile multiplies a block
+ * with its activations into a vector of partial sums and must add the vector's lanes up at
+ * the end, and each block's one or two float16 scales are converted on their own. Here each
+ * group of 8 weight rows is stored block by block, a block of the group (`gblock`) holding
+ * the 8 rows' float16 d (then m, for Q4_1) side by side and then their quants, 4 bytes of
+ * each row in turn:
+ *     Q4_0 / Q4_1: [d x 8][m x 8][4 x (4 quant bytes x 8 rows)]   144 / 160 bytes
+ *     Q8_0:        [d x 8][8 x (4 quants x 8 rows)]                 272 bytes
+ * (the bytes of 8 GGUF blocks, rearranged). A 256-bit load is then 4 quant bytes of each row,
+ * lane i being row i: multiply-added with 4 activations broadcast to every lane, each lane
+ * sums its own row, and the block's 8 scales are one conversion. llama.cpp's repacked
+ * Q4_0 x 8 (ggml-cpu/repack.cpp) uses the same idea. Per 256 weights that is ~45 instructions
+ * against ~80 for the two-block path; a row's result is the same number as in the GGUF
+ * layout up to float32 summation order.
+ *
+ * QuantLinear interleaves a weight at load time (loom_quant_interleave) when the format has
+ * this layout here and its rows are a multiple of 8; a kernel call says so by adding QL_X8 to
+ * the type number. Only AVX2 builds have it (the others keep the GGUF layout). */
+#define QL_X8 0x100
+
+#if defined(QS_AVX2)
+QS_INLINE int ql_x8_format(const int qt) { return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q8_0; }
+#else
+QS_INLINE int ql_x8_format(const int qt) { (void)qt; return 0; }
+#endif
+
+/* Bytes of a gblock before its quants, and the GGUF block's header (scales). */
+QS_INLINE int ql_x8_scale_bytes(const int qt) { return qt == QL_Q4_1 ? 32 : 16; }
+QS_INLINE int ql_x8_head(const int qt) { return qt == QL_Q4_1 ? 4 : 2; }
+
+/* Weight row `row`'s block b (a K-quant: its super-block) as GGUF stores it: in place, or
+ * gathered from its group into buf (ql_block_bytes(qt) bytes). */
+QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int64_t wrow,
+                                     const int64_t row, const int64_t b, uint8_t *buf) {
+    const int qt = kind & 0xFF, bytes = ql_block_bytes(qt);
+    if (!(kind & QL_X8)) return w + row * wrow + b / ql_subblocks(qt) * bytes;
+    const uint8_t *g = w + row / 8 * 8 * wrow + b * 8 * bytes;
+    const int lane = (int)(row % 8), head = ql_x8_head(qt), sb = ql_x8_scale_bytes(qt);
+    memcpy(buf, g + 2 * lane, 2);
+    if (qt == QL_Q4_1) memcpy(buf + 2, g + 16 + 2 * lane, 2);
+    for (int j = 0; j < (bytes - head) / 4; j++) memcpy(buf + head + 4 * j, g + sb + 32 * j + 4 * lane, 4);
+    return buf;
+}
+
+/* dst = src [N rows of wrow bytes] interleaved by 8 rows. Returns 0, or -1 where this build
+ * has no such layout for qtype, or N is not a multiple of 8. */
+int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, int K,
+                          uint8_t *dst) {
+    if (!ql_x8_format(qtype) || N % 8 || K % 32 || wrow != K / 32 * ql_block_bytes(qtype))
+        return -1;
+    const int bytes = ql_block_bytes(qtype), head = ql_x8_head(qtype);
+    const int sb = ql_x8_scale_bytes(qtype);
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = dst + g * 8 * wrow + b * 8 * bytes;
+            for (int lane = 0; lane < 8; lane++) {
+                const uint8_t *blk = src + (8 * g + lane) * wrow + b * bytes;
+                memcpy(o + 2 * lane, blk, 2);
+                if (qtype == QL_Q4_1) memcpy(o + 16 + 2 * lane, blk + 2, 2);
+                for (int j = 0; j < (bytes - head) / 4; j++)
+                    memcpy(o + sb + 32 * j + 4 * lane, blk + head + 4 * j, 4);
+            }
+        }
+    return 0;
+}
+
+#if defined(QS_AVX2)
+/* Activation rows per x8 tile: the gblock's 8 unpacked quant vectors and 2 scale vectors
+ * stay in registers for all of them. */
+#ifndef LOOM_QUANT_X8_R
+#define LOOM_QUANT_X8_R 4
+#endif
+#define QL_X8_R LOOM_QUANT_X8_R
+#if defined(QS_VNNI)
+#define QS_X8_Q8_OFFSET 1 /* Q8_0's quants read as unsigned: a -128 d offset */
+#else
+#define QS_X8_Q8_OFFSET 0
+#endif
+
+/* A gblock unpacked: q[j] holds weights 4j..4j+3 of each row (lane), the ones activation word
+ * j multiplies; unsigned except Q8_0 without VNNI (signed: see ql_x8_dot). Per row (lane):
+ * w = d q + o, o folding Q4_0's -8, Q8_0's -128 (VNNI: its quants read as q + 128), Q4_1's m. */
+typedef struct {
+    __m256i q[8];
+    __m256 d, o;
+} ql_x8_block;
+
+QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g) {
+    ql_x8_block b;
+    b.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+    if (qt == QL_Q4_1)
+        b.o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+    else if (qt == QL_Q4_0)
+        b.o = _mm256_mul_ps(b.d, _mm256_set1_ps(-8.0f));
+    else
+#if defined(QS_VNNI)
+        b.o = _mm256_mul_ps(b.d, _mm256_set1_ps(-128.0f));
+#else
+        b.o = _mm256_setzero_ps();
+#endif
+    const uint8_t *q = g + ql_x8_scale_bytes(qt);
+    if (qt == QL_Q8_0) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+#if defined(QS_VNNI) /* signed -> unsigned: q ^ 0x80 = q + 128, dpbusd's unsigned side */
+            b.q[j] = _mm256_xor_si256(q_load(q + 32 * j), _mm256_set1_epi8((char)0x80));
+#else
+            b.q[j] = q_load(q + 32 * j);
+#endif
+        }
+    } else {
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = q_load(q + 32 * j);
+            b.q[j] = _mm256_and_si256(v, nibble);
+            b.q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+    }
+    return b;
+}
+
+QS_INLINE __m256i ql_x8_word(const int8_t *xq, const int j) {
+    int32_t v;
+    memcpy(&v, xq + 4 * j, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Each row's (lane's) integer dot product of the gblock with one activation block. */
+QS_INLINE __m256i ql_x8_dot(const int qt, const ql_x8_block *w, const int8_t *xq) {
+#if defined(QS_VNNI)
+    (void)qt;
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) { /* two chains: dpbusd's latency */
+        s0 = qs_dpbusd(s0, w->q[j], ql_x8_word(xq, j));
+        s1 = qs_dpbusd(s1, w->q[4 + j], ql_x8_word(xq, 4 + j));
+    }
+    return _mm256_add_epi32(s0, s1);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (qt == QL_Q8_0) { /* signed: the sign moves onto the activations (see dot_s) */
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i x = ql_x8_word(xq, j);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                _mm256_sign_epi8(w->q[j], w->q[j]), _mm256_sign_epi8(x, w->q[j])), ones));
+        }
+        return s;
+    }
+    /* 4-bit: 8 x 2 x 15 x 127 = 30480 fits the int16 sums */
+    __m256i s = _mm256_maddubs_epi16(w->q[0], ql_x8_word(xq, 0));
+#pragma GCC unroll 7
+    for (int j = 1; j < 8; j++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w->q[j], ql_x8_word(xq, j)));
+    return _mm256_madd_epi16(s, ones);
+#endif
+}
+
+/* y[r][0..8) for R activation rows from r0 against the group at g (8 weight rows). */
+QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_acts *a,
+                          const int64_t r0, float *y, const int64_t ldy, const float *bias) {
+    const int64_t nb = a->nb;
+    const int gbytes = 8 * ql_block_bytes(qt);
+    const int has_o = qt != QL_Q8_0 || QS_X8_Q8_OFFSET;
+    __m256 acc[QL_X8_R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, g += gbytes) {
+        if (LOOM_QUANT_PF)
+            for (int o = 0; o < gbytes; o += 64) __builtin_prefetch(g + LOOM_QUANT_PF + o, 0, 3);
+        const ql_x8_block w = ql_x8_decode(qt, g);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int64_t row = r0 + r;
+            const __m256i s = ql_x8_dot(qt, &w, a->q + row * a->K + 32 * b);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                     _mm256_mul_ps(w.d, _mm256_broadcast_ss(a->d + row * nb + b)),
+                                     acc[r]);
+            if (has_o)
+                acc[r] = _mm256_fmadd_ps(w.o, _mm256_broadcast_ss(a->s32 + row * nb + b), acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const __m256 v = bias ? _mm256_add_ps(acc[r], _mm256_loadu_ps(bias)) : acc[r];
+        _mm256_storeu_ps(y + r * ldy, v);
+    }
+}
+
+/* As ql_chunk, over groups of 8 weight rows (`tiles_per_run` groups a run). */
+#define QL_X8_CASE(n) case n: ql_x8_tile(qt, n, wg, a, r, y + r * ldy + 8 * grp, ldy, bg); break;
+QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, const ql_acts *a,
+                           const float *bias, float *y, const int64_t ldy, const int M,
+                           const int N, const int tiles_per_run, const int runs, const int chunk) {
+    const int64_t m0 = (int64_t)(chunk / runs) * LOOM_QUANT_MC;
+    const int64_t m1 = M - m0 < LOOM_QUANT_MC ? M : m0 + LOOM_QUANT_MC;
+    const int g0 = chunk % runs * tiles_per_run;
+    const int g1 = g0 + tiles_per_run < N / 8 ? g0 + tiles_per_run : N / 8;
+    for (int grp = g0; grp < g1; grp++) {
+        const uint8_t *wg = w + (int64_t)grp * 8 * wrow;
+        const float *bg = bias ? bias + 8 * grp : NULL;
+        for (int64_t r = m0; r < m1; r += QL_X8_R) {
+            switch (m1 - r < QL_X8_R ? (int)(m1 - r) : QL_X8_R) {
+            QL_X8_CASE(1)
+#if QL_X8_R > 1
+            QL_X8_CASE(2)
+#endif
+#if QL_X8_R > 2
+            QL_X8_CASE(3)
+#endif
+#if QL_X8_R > 3
+            QL_X8_CASE(4)
+#endif
+#if QL_X8_R > 4
+#error "LOOM_QUANT_X8_R above 4: add cases"
+#endif
+            }
+        }
+    }
+}
+
+#define QL_DEFINE_X8_CHUNK(QT)                                                               \
+    static void ql_x8_chunk_##QT(const uint8_t *w, int64_t wrow, const ql_acts *a,          \
+                                 const float *bias, float *y, int64_t ldy, int M, int N,    \
+                                 int tiles_per_run, int runs, int chunk, float *woff) {     \
+        (void)woff;                                                                          \
+        ql_x8_chunk(QT, w, wrow, a, bias, y, ldy, M, N, tiles_per_run, runs, chunk);        \
+    }
+QL_DEFINE_X8_CHUNK(QL_Q4_0)
+QL_DEFINE_X8_CHUNK(QL_Q4_1)
+QL_DEFINE_X8_CHUNK(QL_Q8_0)
+#endif
+
+/* The integer path's chunk function for a type number (QL_X8 added: the interleaved layout),
+ * or NULL. */
+static ql_chunk_fn ql_kernel_for(const int kind) {
+    if (!(kind & QL_X8)) return ql_chunk_for(kind);
+#if defined(QS_AVX2)
+    switch (kind & 0xFF) {
+    case QL_Q4_0: return ql_x8_chunk_QL_Q4_0;
+    case QL_Q4_1: return ql_x8_chunk_QL_Q4_1;
+    case QL_Q8_0: return ql_x8_chunk_QL_Q8_0;
+    }
+#endif
+    return NULL;
+}
+
 /* The quantized activations live in a per-thread buffer that only grows: a decode step calls
  * this ~200 times, and a fresh allocation of a prefill chunk's size would be fresh pages. */
 static __thread void *ql_scratch;
@@ -950,15 +1203,51 @@ static float *ql_panel_for(size_t floats) {
     return ql_panel;
 }
 
-/* cols (<= NR) weight rows from w as a panel [K][NR], columns past cols zero. */
-QS_INLINE void ql_dequantize_panel(const int qt, const uint8_t *w, const int64_t wrow,
-                                   const int cols, const int K, float *restrict panel) {
-    const int sub = ql_subblocks(qt), bytes = ql_block_bytes(qt);
+#if defined(QS_AVX2)
+/* Block b of an interleaved group (8 weight rows) into 8 columns of a panel: p = the panel
+ * at row 32 b, first column of the group. Lane i of q[j] holds row i's weights 4j..4j+3. */
+QS_INLINE void ql_x8_dequantize(const int qt, const uint8_t *g, float *restrict p) {
+    const ql_x8_block w = ql_x8_decode(qt, g);
+    const __m256i byte = _mm256_set1_epi32(0xFF);
+#define QL_X8_WEIGHT(j, t)                                                                   \
+    do {                                                                                     \
+        const __m256i v = qt == QL_Q8_0 && !QS_X8_Q8_OFFSET                                  \
+            ? _mm256_srai_epi32(_mm256_slli_epi32(w.q[j], 24 - 8 * (t)), 24)                 \
+            : _mm256_and_si256(_mm256_srli_epi32(w.q[j], 8 * (t)), byte);                    \
+        _mm256_storeu_ps(p + (4 * (j) + (t)) * NR, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), w.d, w.o)); \
+    } while (0)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        QL_X8_WEIGHT(j, 0);
+        QL_X8_WEIGHT(j, 1);
+        QL_X8_WEIGHT(j, 2);
+        QL_X8_WEIGHT(j, 3);
+    }
+#undef QL_X8_WEIGHT
+}
+#endif
+
+/* cols (<= NR) weight rows from row n0 of w as a panel [K][NR], columns past cols zero. */
+QS_INLINE void ql_dequantize_panel(const int kind, const uint8_t *w, const int64_t wrow,
+                                   const int n0, const int cols, const int K,
+                                   float *restrict panel) {
+    const int qt = kind & 0xFF, sub = ql_subblocks(qt);
     if (cols < NR) memset(panel, 0, sizeof(float) * (size_t)K * NR);
+#if defined(QS_AVX2)
+    if (kind & QL_X8) { /* n0 and cols are multiples of 8 (NR is 16) */
+        for (int c = 0; c < cols; c += 8) {
+            const uint8_t *g = w + (int64_t)(n0 + c) * wrow;
+            for (int b = 0; b < K / 32; b++)
+                ql_x8_dequantize(qt, g + (int64_t)b * 8 * ql_block_bytes(qt),
+                                 panel + (int64_t)32 * b * NR + c);
+        }
+        return;
+    }
+#endif
+    uint8_t buf[256];
     for (int c = 0; c < cols; c++) {
-        const uint8_t *row = w + c * wrow;
         for (int b = 0; b < K / 32; b++) {
-            const ql_block blk = ql_decode(qt, row + (int64_t)(b / sub) * bytes, b % sub);
+            const ql_block blk = ql_decode(qt, ql_block_at(kind, w, wrow, n0 + c, b, buf), b % sub);
             int8_t q[32];
             q_store(q, blk.q);
             const float d0 = blk.d * (float)blk.sc0, d1 = blk.d * (float)blk.sc1;
@@ -973,7 +1262,7 @@ QS_INLINE void ql_dequantize_panel(const int qt, const uint8_t *w, const int64_t
     }
 }
 
-QS_INLINE void ql_f32_panel(const int qt, const float *x, const int64_t ldx, const uint8_t *w,
+QS_INLINE void ql_f32_panel(const int kind, const float *x, const int64_t ldx, const uint8_t *w,
                             const int64_t wrow, const float *bias, float *y, const int64_t ldy,
                             const int M, const int N, const int K, const int p, float *panel) {
     const int n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
@@ -982,40 +1271,50 @@ QS_INLINE void ql_f32_panel(const int qt, const float *x, const int64_t ldx, con
         memset(bp, 0, sizeof bp);
         memcpy(bp, bias + n0, sizeof(float) * (size_t)cols);
     }
-    ql_dequantize_panel(qt, w + n0 * wrow, wrow, cols, K, panel);
+    ql_dequantize_panel(kind, w, wrow, n0, cols, K, panel);
     for (int m = 0; m < M; m += MR)
         rows_f32(M - m < MR ? M - m : MR, K, x + (int64_t)m * ldx, ldx, panel,
                  y + (int64_t)m * ldy + n0, ldy, cols, bias ? bp : NULL, NULL);
 }
 
-#define QL_DEFINE_F32_PANEL(QT)                                                              \
-    static void ql_f32_panel_##QT(const float *x, int64_t ldx, const uint8_t *w, int64_t wrow, \
-                                  const float *bias, float *y, int64_t ldy, int M, int N,     \
-                                  int K, int p, float *panel) {                               \
-        ql_f32_panel(QT, x, ldx, w, wrow, bias, y, ldy, M, N, K, p, panel);                   \
+#define QL_DEFINE_F32_PANEL(NAME, KIND)                                                      \
+    static void ql_f32_panel_##NAME(const float *x, int64_t ldx, const uint8_t *w, int64_t wrow, \
+                                    const float *bias, float *y, int64_t ldy, int M, int N,   \
+                                    int K, int p, float *panel) {                             \
+        ql_f32_panel(KIND, x, ldx, w, wrow, bias, y, ldy, M, N, K, p, panel);                 \
     }
-QL_DEFINE_F32_PANEL(QL_Q4_0)
-QL_DEFINE_F32_PANEL(QL_Q4_1)
-QL_DEFINE_F32_PANEL(QL_Q5_0)
-QL_DEFINE_F32_PANEL(QL_Q5_1)
-QL_DEFINE_F32_PANEL(QL_Q8_0)
-QL_DEFINE_F32_PANEL(QL_Q4_K)
-QL_DEFINE_F32_PANEL(QL_Q5_K)
-QL_DEFINE_F32_PANEL(QL_Q6_K)
+QL_DEFINE_F32_PANEL(Q4_0, QL_Q4_0)
+QL_DEFINE_F32_PANEL(Q4_1, QL_Q4_1)
+QL_DEFINE_F32_PANEL(Q5_0, QL_Q5_0)
+QL_DEFINE_F32_PANEL(Q5_1, QL_Q5_1)
+QL_DEFINE_F32_PANEL(Q8_0, QL_Q8_0)
+QL_DEFINE_F32_PANEL(Q4_K, QL_Q4_K)
+QL_DEFINE_F32_PANEL(Q5_K, QL_Q5_K)
+QL_DEFINE_F32_PANEL(Q6_K, QL_Q6_K)
+#if defined(QS_AVX2)
+QL_DEFINE_F32_PANEL(Q4_0_X8, QL_Q4_0 | QL_X8)
+QL_DEFINE_F32_PANEL(Q4_1_X8, QL_Q4_1 | QL_X8)
+QL_DEFINE_F32_PANEL(Q8_0_X8, QL_Q8_0 | QL_X8)
+#endif
 
 typedef void (*ql_f32_panel_fn)(const float *, int64_t, const uint8_t *, int64_t, const float *,
                                 float *, int64_t, int, int, int, int, float *);
 
-static ql_f32_panel_fn ql_f32_panel_for(const int qt) {
-    switch (qt) {
-    case QL_Q4_0: return ql_f32_panel_QL_Q4_0;
-    case QL_Q4_1: return ql_f32_panel_QL_Q4_1;
-    case QL_Q5_0: return ql_f32_panel_QL_Q5_0;
-    case QL_Q5_1: return ql_f32_panel_QL_Q5_1;
-    case QL_Q8_0: return ql_f32_panel_QL_Q8_0;
-    case QL_Q4_K: return ql_f32_panel_QL_Q4_K;
-    case QL_Q5_K: return ql_f32_panel_QL_Q5_K;
-    case QL_Q6_K: return ql_f32_panel_QL_Q6_K;
+static ql_f32_panel_fn ql_f32_panel_for(const int kind) {
+    switch (kind) {
+    case QL_Q4_0: return ql_f32_panel_Q4_0;
+    case QL_Q4_1: return ql_f32_panel_Q4_1;
+    case QL_Q5_0: return ql_f32_panel_Q5_0;
+    case QL_Q5_1: return ql_f32_panel_Q5_1;
+    case QL_Q8_0: return ql_f32_panel_Q8_0;
+    case QL_Q4_K: return ql_f32_panel_Q4_K;
+    case QL_Q5_K: return ql_f32_panel_Q5_K;
+    case QL_Q6_K: return ql_f32_panel_Q6_K;
+#if defined(QS_AVX2)
+    case QL_Q4_0 | QL_X8: return ql_f32_panel_Q4_0_X8;
+    case QL_Q4_1 | QL_X8: return ql_f32_panel_Q4_1_X8;
+    case QL_Q8_0 | QL_X8: return ql_f32_panel_Q8_0_X8;
+#endif
     default: return NULL;
     }
 }
@@ -1023,7 +1322,7 @@ static ql_f32_panel_fn ql_f32_panel_for(const int qt) {
 /* -- entry points ------------------------------------------------------------------------ */
 
 /* Which block formats this build multiplies (1) or not (0). */
-int loom_quant_supported(int qtype) { return ql_chunk_for(qtype) != NULL; }
+int loom_quant_supported(int qtype) { return ql_kernel_for(qtype) != NULL; }
 
 /* The instruction set this build uses: 0 portable C, 1 AVX2, 2 AVX2 + VNNI, 3 NEON. */
 int loom_quant_isa(void) {
@@ -1055,14 +1354,16 @@ static size_t ql_acts_bytes(const int M, const int K) {
 static void ql_linear_team(int qtype, const float *x, int64_t ldx, const uint8_t *w,
                            int64_t wrow, const float *bias, float *y, int64_t ldy, int M, int N,
                            int K, char *mem, int threads) {
-    const ql_chunk_fn run = ql_chunk_for(qtype);
+    const ql_chunk_fn run = ql_kernel_for(qtype);
+    const int x8 = qtype & QL_X8, qt = qtype & 0xFF;
     const int64_t nb = K / 32;
     const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
     float *f = (float *)(mem + qbytes);
     const ql_acts a = {.q = (int8_t *)mem, .d = f, .s32 = f + M * nb, .s16 = f + 2 * M * nb,
-                       .K = K, .nb = nb, .pairs = ql_pairs(qtype), .qt = qtype,
+                       .K = K, .nb = nb, .pairs = !x8 && ql_pairs(qt), .qt = qt,
                        .d8 = f + 4 * M * nb, .s4 = f + 8 * M * nb};
-    const int tiles = (N + QL_C - 1) / QL_C;
+    const int width = x8 ? 8 : QL_C; /* weight rows a tile covers */
+    const int tiles = (N + width - 1) / width;
     const int tiles_per_run = tiles / (threads * 8) > 1 ? tiles / (threads * 8) : 1;
     const int runs = (tiles + tiles_per_run - 1) / tiles_per_run;
     const int chunks = (M + LOOM_QUANT_MC - 1) / LOOM_QUANT_MC * runs;
@@ -1079,7 +1380,8 @@ static void ql_linear_team(int qtype, const float *x, int64_t ldx, const uint8_t
  * Returns 0, -1 for an unsupported qtype or K, -2 when scratch memory could not be had. */
 int loom_quant_linear(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t wrow,
                       const float *bias, float *y, int64_t ldy, int M, int N, int K) {
-    if (ql_chunk_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    if (ql_kernel_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    if ((qtype & QL_X8) && N % 8) return -1;
     if (M <= 0 || N <= 0) return 0;
     char *mem = ql_scratch_for(ql_acts_bytes(M, K));
     if (mem == NULL) return -2;
@@ -1092,18 +1394,18 @@ int loom_quant_linear(int qtype, const float *x, int64_t ldx, const uint8_t *w, 
  * table). Returns 0, or -1 for an unsupported qtype or K. */
 int loom_quant_dequantize_rows(int qtype, const uint8_t *w, int64_t wrow, const int64_t *ids,
                                int n, int K, float *out) {
-    if (ql_chunk_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
-    const int sub = ql_subblocks(qtype), bytes = ql_block_bytes(qtype);
+    if (ql_kernel_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    const int qt = qtype & 0xFF, sub = ql_subblocks(qt);
+    uint8_t buf[256];
     for (int i = 0; i < n; i++) {
-        const uint8_t *row = w + ids[i] * wrow;
         float *o = out + (int64_t)i * K;
         for (int b = 0; b < K / 32; b++) {
-            const ql_block blk = ql_decode(qtype, row + (int64_t)(b / sub) * bytes, b % sub);
+            const ql_block blk = ql_decode(qt, ql_block_at(qtype, w, wrow, ids[i], b, buf), b % sub);
             int8_t q[32];
             q_store(q, blk.q);
             const float d0 = blk.d * (float)blk.sc0, d1 = blk.d * (float)blk.sc1;
-            const float o0 = ql_has_offset(qtype) ? blk.o0 : 0.0f;
-            const float o1 = ql_offsets(qtype) == 2 ? blk.o1 : o0;
+            const float o0 = ql_has_offset(qt) ? blk.o0 : 0.0f;
+            const float o1 = ql_offsets(qt) == 2 ? blk.o1 : o0;
             for (int k = 0; k < 16; k++) {
                 o[32 * b + k] = d0 * (float)q[k] + o0;
                 o[32 * b + 16 + k] = d1 * (float)q[16 + k] + o1;
@@ -1136,6 +1438,7 @@ int loom_quant_linear_f32(int qtype, const float *x, int64_t ldx, const uint8_t 
                           int64_t wrow, const float *bias, float *y, int64_t ldy, int M, int N,
                           int K) {
     if (ql_f32_panel_for(qtype) == NULL || K % (32 * ql_subblocks(qtype)) != 0) return -1;
+    if ((qtype & QL_X8) && N % 8) return -1;
     if (M <= 0 || N <= 0) return 0;
     int failed = 0;
 #pragma omp parallel
