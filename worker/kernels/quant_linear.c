@@ -1131,7 +1131,13 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
             QL_X8_CASE(4)
 #endif
 #if QL_X8_R > 4
-#error "LOOM_QUANT_X8_R above 4: add cases"
+            QL_X8_CASE(5)
+#endif
+#if QL_X8_R > 5
+            QL_X8_CASE(6)
+#endif
+#if QL_X8_R > 6
+#error "LOOM_QUANT_X8_R above 6: add cases"
 #endif
             }
         }
