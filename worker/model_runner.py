@@ -393,8 +393,10 @@ def _log_quantized_layers(model: torch.nn.Module) -> None:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     formats = sorted({m.qtype.name for m in layers})
     kernel = next((m.kernel.isa for m in layers if m.kernel is not None), None)
-    logger.info("linear layers: %d kept in block formats (%s), %s", len(layers),
-                ", ".join(formats), f"quantized kernel {kernel}" if kernel
+    interleaved = sum(m.interleaved for m in layers)
+    logger.info("linear layers: %d kept in block formats (%s, %d of them interleaved by 8 "
+                "rows), %s", len(layers), ", ".join(formats), interleaved,
+                f"quantized kernel {kernel}" if kernel
                 else "PyTorch fallback (no C compiler: several times slower)")
 
 
