@@ -146,8 +146,7 @@ class QuantLinear(nn.Module):
 
     def _weight_bytes(self, raw, interleave: bool) -> tuple[torch.Tensor, bool]:
         """The weight's bytes as the kernel will read them, and whether interleaved."""
-        source = raw.detach().contiguous().view(torch.uint8).reshape(-1) \
-            if isinstance(raw, torch.Tensor) else _as_uint8_array(raw)
+        source = _as_uint8_flat(raw)
         size = source.numel() if isinstance(source, torch.Tensor) else source.size
         if size != self.out_features * self.row_bytes:
             raise ValueError(f"{size} bytes do not hold a {self.qtype.name} "
@@ -163,7 +162,7 @@ class QuantLinear(nn.Module):
                                       self.out_features, self.in_features,
                                       dest.data_ptr()) == 0:
                 return dest, True
-        return _as_uint8_tensor(raw), False
+        return _as_uint8_tensor(source), False
 
     @property
     def kernel_kind(self) -> int:
@@ -303,23 +302,25 @@ def quant_linear(qtype, raw, shape: tuple[int, int], bias: torch.Tensor | None =
     return QuantLinear(qtype, raw, shape, bias, **options)
 
 
-def _as_uint8_tensor(raw) -> torch.Tensor:
-    """A torch tensor is used as it is (it may be a view into the caller's arena of weights);
-    anything else (a gguf.ReaderTensor's read-only memory map of the file, bytes) is copied into
-    its own mapping advised for huge pages: a decode step streams every weight, and with 4 KiB
-    pages the hardware prefetcher stops at every page (worker/hugepages.py)."""
+def _as_uint8_flat(raw) -> torch.Tensor | np.ndarray:
+    """raw's bytes, flat: a torch tensor's uint8 view, or a uint8 array (a view of raw where
+    it is contiguous: a gguf.ReaderTensor's memory map of the file, bytes)."""
     if isinstance(raw, torch.Tensor):
         return raw.detach().contiguous().view(torch.uint8).reshape(-1)
-    array = _as_uint8_array(raw)
-    tensor = hugepages.empty_tensor((array.size,), torch.uint8)
-    tensor.numpy()[:] = array
-    return tensor
-
-
-def _as_uint8_array(raw) -> np.ndarray:
-    """raw's bytes as a flat uint8 array (a view where raw is contiguous)."""
     return np.ascontiguousarray(np.frombuffer(raw, np.uint8) if isinstance(raw, bytes)
                                 else np.asarray(raw)).view(np.uint8).reshape(-1)
+
+
+def _as_uint8_tensor(source: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A torch tensor is used as it is (it may be a view into the caller's arena of weights);
+    an array (the file's read-only map) is copied into its own mapping advised for huge pages:
+    a decode step streams every weight, and with 4 KiB pages the hardware prefetcher stops at
+    every page (worker/hugepages.py)."""
+    if isinstance(source, torch.Tensor):
+        return source
+    tensor = hugepages.empty_tensor((source.size,), torch.uint8)
+    tensor.numpy()[:] = source
+    return tensor
 
 
 # -- the PyTorch path: dequantization of whole blocks ------------------------------------------
