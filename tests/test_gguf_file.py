@@ -3,6 +3,8 @@ transformers made from the same file) and against small hostile files written wi
 writer: every problem is one GGUFError line, never another exception."""
 
 import os
+import struct
+import time
 
 import gguf
 import numpy as np
@@ -14,9 +16,12 @@ from pipelines.checkpoint.gguf_file import GGUFError, dequantize, open_gguf
 H, HEADS, KV_HEADS, FF, VOCAB = 32, 2, 1, 64, 8
 
 
-def write_gguf(path, arch="llama", ff_in_header=FF, extra_tensor=None) -> str:
-    """A one-layer model in float32 (with optionally one more, raw tensor)."""
+def write_gguf(path, arch="llama", ff_in_header=FF, extra_tensor=None, arrays=None) -> str:
+    """A one-layer model in float32 (with optionally one more, raw tensor, and more arrays in
+    its metadata)."""
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, values in (arrays or {}).items():
+        writer.add_array(key, values)
     writer.add_context_length(128)
     writer.add_embedding_length(H)
     writer.add_block_count(1)
@@ -114,6 +119,48 @@ def test_not_a_file(tmp_path):
     assert_one_line_error(tmp_path / "missing.gguf", "no such file")
     (tmp_path / "text.gguf").write_text("hello, not a model")
     assert_one_line_error(tmp_path / "text.gguf")
+
+
+def write_raw_header(path, fields: bytes, n_fields=1) -> str:
+    """A GGUF file of no tensors whose metadata is `fields`, as bytes (what gguf's writer
+    cannot write: arrays nested a thousand deep, or millions of strings written fast)."""
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, n_fields) + fields)
+    return str(path)
+
+
+def key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def test_nested_arrays_are_one_clear_error(tmp_path):
+    """Arrays of arrays (two levels) read; deeper ones are refused by key, and a file nesting
+    them 100,000 deep is the same one line, not a RecursionError."""
+    model = open_gguf(write_gguf(tmp_path / "two.gguf", arrays={"junk": [[1, 2], [3]]}))
+    assert model.config.vocab_size == VOCAB
+    assert_one_line_error(write_gguf(tmp_path / "three.gguf", arrays={"junk": [[[1]]]}),
+                          "junk", "nested more than 2 deep")
+    levels = struct.pack("<IQ", 9, 1) * 100_000  # (array of 1 array) ... of no uint32
+    path = write_raw_header(tmp_path / "deep.gguf", key("deep.key") + struct.pack("<I", 9)
+                            + levels + struct.pack("<IQ", 4, 0))
+    assert_one_line_error(path, "deep.key", "nested more than 2 deep")
+
+
+def test_millions_of_strings_are_refused_fast(tmp_path):
+    """5M empty strings (40 MB) in one array, or 2.4M split over two, are refused in well under
+    the 27 s that stepping through them took; so is a count the file's bytes cannot hold."""
+    empty = struct.pack("<Q", 0)
+    one = key("junk") + struct.pack("<IIQ", 9, 8, 5_000_000) + empty * 5_000_000
+    two = b"".join(key(f"junk{i}") + struct.pack("<IIQ", 9, 8, 1_200_000) + empty * 1_200_000
+                   for i in range(2))
+    claims = key("junk") + struct.pack("<IIQ", 9, 8, 1 << 40) + empty * 1000
+    for name, fields, n_fields in (("one.gguf", one, 1), ("two.gguf", two, 2),
+                                   ("claims.gguf", claims, 1)):
+        path = write_raw_header(tmp_path / name, fields, n_fields)
+        started = time.monotonic()
+        assert_one_line_error(path, "junk")
+        assert time.monotonic() - started < 5, name
+    many_keys = write_raw_header(tmp_path / "keys.gguf", b"", n_fields=1 << 40)
+    assert_one_line_error(many_keys, "metadata keys")
 
 
 # -- Gemma 3 ------------------------------------------------------------------------------------

@@ -7,6 +7,12 @@ length of those arrays: this reader skips array contents it is not asked for and
 rest with `struct`, in tens of milliseconds. Every offset is checked against the file's size,
 so a truncated or garbled file is a `HeaderError` naming what is wrong, never a read past its
 end. (Format: github.com/ggml-org/ggml/blob/master/docs/gguf.md, versions 2 and 3.)
+
+A hostile header costs bounded time and memory too: every count is checked against the bytes
+left before anything is read (each element takes at least a few), the counts of keys, tensors
+and Python-parsed elements (strings, inner arrays) are capped far above any model's, arrays nest
+at most two deep (a model's metadata has none nested), and a string read as text is at most
+16 MiB.
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 # Arrays whose values are read (small numeric ones); others keep only their length.
 _MAX_ARRAY_VALUES = 4096
+# Bounds on what one header may make this reader do (a model's: tens of keys, a few thousand
+# tensors, a vocabulary and its merges of well under a million strings each).
+MAX_FIELDS = 1 << 16
+MAX_TENSORS = 1 << 16
+MAX_ARRAY_ITEMS = 1 << 21  # strings and inner arrays, over all arrays of the header
+MAX_ARRAY_DEPTH = 2  # an array of arrays
+MAX_STRING_BYTES = 1 << 24  # a string read as text (a key, a value, a token)
+_U64 = struct.Struct("<Q")
 
 # GGML tensor types: number -> (name, elements per block, bytes per block).
 GGML_TYPES = {
@@ -77,8 +91,8 @@ class GGUFHeader:
 
 
 def read_header(path: str, read_arrays: frozenset[str] = frozenset()) -> GGUFHeader:
-    """Parse `path`. Arrays named in `read_arrays` have their values read whatever their
-    length (strings as str); others only up to a few thousand numeric values."""
+    """Parse `path`. String arrays named in `read_arrays` have their values read whatever
+    their length; other arrays only up to a few thousand numeric values."""
     size = os.path.getsize(path)
     if size < 24:
         raise HeaderError("too short to be a GGUF file")
@@ -91,6 +105,9 @@ def read_header(path: str, read_arrays: frozenset[str] = frozenset()) -> GGUFHea
     if version not in (2, 3):
         raise HeaderError(f"GGUF version {version}; loom reads versions 2 and 3")
     n_tensors, n_fields = cursor.scalar("Q"), cursor.scalar("Q")
+    # (A key is at least its length and its type, 12 bytes; a tensor's entry 32.)
+    cursor.check_count(n_fields, MAX_FIELDS, 12, "metadata keys")
+    cursor.check_count(n_tensors, MAX_TENSORS, 32, "tensors")
     fields = {}
     for _ in range(n_fields):
         key = cursor.string()
@@ -127,14 +144,11 @@ def _layout(name: str, dims: tuple[int, ...], type_id: int) -> tuple[str, int]:
 class _Cursor:
     def __init__(self, buf, size: int, read_arrays: frozenset[str]) -> None:
         self.buf, self.size, self.pos, self.read_arrays = buf, size, 0, read_arrays
+        self.array_items = 0  # strings and inner arrays stepped through so far
 
     def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > self.size:
-            raise HeaderError(f"the header runs past the end of the file at byte {self.pos} "
-                              f"(truncated?)")
-        out = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return out
+        self.skip(n)
+        return self.buf[self.pos - n:self.pos]
 
     def skip(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -146,8 +160,21 @@ class _Cursor:
         width = struct.calcsize("<" + fmt)
         return struct.unpack("<" + fmt, self.take(width))[0]
 
+    def check_count(self, count: int, limit: int, min_bytes: int, what: str) -> None:
+        """Refuse, before reading any, `count` things of at least `min_bytes` each that the
+        rest of the file cannot hold, or more than `limit`."""
+        if count > limit:
+            raise HeaderError(f"{count:,} {what}, more than the {limit:,} loom reads")
+        if count * min_bytes > self.size - self.pos:
+            raise HeaderError(f"{count:,} {what} cannot fit in the {self.size - self.pos:,} "
+                              f"bytes left of the file (truncated?)")
+
     def string(self) -> str:
-        raw = self.take(self.scalar("Q"))
+        n = self.scalar("Q")
+        if n > MAX_STRING_BYTES:
+            raise HeaderError(f"a string of {n:,} bytes at byte {self.pos}, more than the "
+                              f"{MAX_STRING_BYTES:,} loom reads")
+        raw = self.take(n)
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -163,34 +190,82 @@ class _Cursor:
             return self.array(key)
         raise HeaderError(f"{key}: unknown value type {kind}")
 
-    def array(self, key: str) -> ArrayValue:
+    def array(self, key: str, depth: int = 1) -> ArrayValue:
+        if depth > MAX_ARRAY_DEPTH:
+            raise HeaderError(f"{key}: arrays nested more than {MAX_ARRAY_DEPTH} deep (a GGUF "
+                              f"model's metadata nests none)")
         kind, length = self.scalar("I"), self.scalar("Q")
-        wanted = key in self.read_arrays
         if kind in _SCALARS:
             fmt = _SCALARS[kind]
             width = struct.calcsize(fmt)
-            if length * width > self.size:
-                raise HeaderError(f"{key}: an array of {length} values cannot fit the file")
-            if wanted or length <= _MAX_ARRAY_VALUES:
+            self.check_array(key, length, width, "values")
+            if length <= _MAX_ARRAY_VALUES:  # (a bigger one is skipped, not parsed)
                 raw = self.take(length * width)
                 return ArrayValue(length, list(struct.unpack(f"<{length}{fmt}", raw)))
             self.skip(length * width)
             return ArrayValue(length)
         if kind == _STRING:
-            if length * 8 > self.size:
-                raise HeaderError(f"{key}: an array of {length} strings cannot fit the file")
-            if wanted:
-                return ArrayValue(length, [self.string() for _ in range(length)])
-            for _ in range(length):  # each string's length, to step over it
-                self.skip(self.scalar("Q"))
+            self.check_array(key, length, 8, "strings")
+            if key in self.read_arrays:
+                return ArrayValue(length, self.strings(length))
+            self.skip_strings(length)
             return ArrayValue(length)
         if kind == _ARRAY:
-            if length * 12 > self.size:
-                raise HeaderError(f"{key}: an array of {length} arrays cannot fit the file")
+            self.check_array(key, length, 12, "arrays")
             for _ in range(length):
-                self.array(key + "[]")
+                self.array(key, depth + 1)
             return ArrayValue(length)
         raise HeaderError(f"{key}: unknown array element type {kind}")
+
+    def check_array(self, key: str, length: int, min_bytes: int, what: str) -> None:
+        """An array's length against the bytes left, and the strings and inner arrays (each
+        a step of Python) against what the whole header may hold."""
+        if length * min_bytes > self.size - self.pos:
+            raise HeaderError(f"{key}: an array of {length:,} {what} cannot fit in the "
+                              f"{self.size - self.pos:,} bytes left of the file (truncated?)")
+        if what != "values":
+            self.array_items += length
+            if self.array_items > MAX_ARRAY_ITEMS:
+                raise HeaderError(f"{key}: the metadata's arrays hold more than "
+                                  f"{MAX_ARRAY_ITEMS:,} strings and arrays, more than loom "
+                                  f"reads")
+
+    def strings(self, length: int) -> list[str]:
+        """`length` strings, read in a loop as tight as `skip_strings`'s."""
+        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
+        out = []
+        try:
+            for _ in range(length):
+                n = unpack(buf, pos)[0]
+                if n > MAX_STRING_BYTES or pos + 8 + n > size:
+                    break
+                pos += 8 + n
+                out.append(buf[pos - n:pos].decode("utf-8"))
+        except struct.error:  # the length itself runs past the end
+            pass
+        except UnicodeDecodeError:
+            raise HeaderError(f"a string at byte {pos - n} is not UTF-8") from None
+        self.pos = pos
+        if len(out) < length:
+            self.string()  # the one that stopped the loop: its own error
+        return out
+
+    def skip_strings(self, length: int) -> None:
+        """Step over `length` strings: each one's length read in place, nothing copied (the
+        tightest loop this reader has, as a vocabulary's merges go through it)."""
+        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
+        for _ in range(length):
+            if pos + 8 > size:
+                break
+            pos += 8 + unpack(buf, pos)[0]
+            if pos > size:
+                break
+        else:
+            self.pos = pos
+            return
+        self.pos = min(pos, size)
+        raise HeaderError(f"the header runs past the end of the file at byte {self.pos} "
+                          f"(truncated?)")
 
     def tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self.string()
