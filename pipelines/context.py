@@ -51,6 +51,9 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
     json_schema: str | None = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     model_name: str = ""
+    # Keys the request's prefix-cache blocks apart (vLLM's field): requests with different
+    # salts never share KV blocks, so one tenant can't probe another's prompts by hit timing.
+    cache_salt: str | None = None
     status: GenerationStatus = GenerationStatus.ACTIVE
     _size: int = -1
     _start_idx: int = 0

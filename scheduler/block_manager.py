@@ -1,5 +1,6 @@
 """The paged KV cache's bookkeeping: fixed-size blocks, per-request block tables, and a
-prefix cache of full blocks keyed by a hash chained over the tokens (vLLM's scheme).
+prefix cache of full blocks keyed by a keyed SHA-256 chained over the tokens and the request's
+`cache_salt` (vLLM's scheme; scheduler/block_hash.py).
 
 A block whose last reference goes away returns to the free queue but keeps its hash: until it is
 handed out again (least recently freed first), a later request with the same prefix reuses it.
@@ -16,33 +17,32 @@ from itertools import groupby
 
 import numpy as np
 
+from scheduler.block_hash import BlockHash, hash_blocks, new_hash_key, root_hash
 from scheduler.kv_events import MEDIUM, BlockRemoved, BlockStored, KVCacheEvent, external_hash
-
-# The parent of a prompt's first block. A constant, not None: hash(None) differs from process
-# to process before Python 3.12, and replicas should name the same prefix by the same hash.
-ROOT_HASH = 0
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
-    tokens: tuple[int, ...] = ()  # the block's tokens, to rule out hash collisions
+    # Covers every token before the block's end (a chain), so equal hashes are equal prefixes:
+    # no token comparison needed.
+    hash: BlockHash | None = None
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_kv_events: bool = False):
+                 record_kv_events: bool = False, hash_key: bytes | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.hash_key = hash_key or new_hash_key()
+        self.cached: dict[BlockHash, int] = {}  # hash -> block id
         self.tables: dict[str, list[int]] = {}
         self.hashed_blocks: dict[str, int] = {}  # how many leading blocks of a request are hashed
-        self.block_hashes: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[BlockHash]] = {}
         # Counters for metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -62,52 +62,55 @@ class BlockManager:
         return self.tables.get(request_id, [])
 
     # ---- prefix cache -----------------------------------------------------------------------
-    def find_cached_prefix(self, tokens: np.ndarray) -> list[int]:
-        """Blocks that already hold a prefix of `tokens`.
+    def find_cached_prefix(self, tokens: np.ndarray, cache_salt: str | None = None) -> list[int]:
+        """Blocks that already hold a prefix of `tokens` under the same `cache_salt`.
 
         At least one token is always left to compute, so the step has logits to sample from.
         """
         if not self.enable_prefix_caching:
             return []
-        full_blocks = (len(tokens) - 1) // self.block_size
+        size = self.block_size
+        full_blocks = (len(tokens) - 1) // size
         self.prefix_queries += len(tokens)
         found: list[int] = []
-        parent = ROOT_HASH
-        for i in range(full_blocks):
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size].tolist())
-            h = hash((parent, chunk))
+        for h in hash_blocks(self.hash_key, root_hash(self.hash_key, cache_salt),
+                             tokens[: full_blocks * size], size):
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].tokens != chunk:
+            if block_id is None:
                 break
             found.append(block_id)
-            parent = h
-        self.prefix_hits += len(found) * self.block_size
+        self.prefix_hits += len(found) * size
         return found
 
-    def register_full_blocks(self, request_id: str, tokens: np.ndarray, num_computed: int) -> None:
-        """Offer the request's blocks that are now full of computed tokens to the prefix cache."""
+    def register_full_blocks(self, request_id: str, tokens: np.ndarray, num_computed: int,
+                             cache_salt: str | None = None) -> None:
+        """Offer the request's blocks that are now full of computed tokens to the prefix cache.
+        Each block is hashed once, chained on the request's previous block (or, for the first,
+        on the root of its `cache_salt`)."""
         if not self.enable_prefix_caching:
             return
         table = self.tables[request_id]
         hashes = self.block_hashes.setdefault(request_id, [])
         done = self.hashed_blocks.get(request_id, 0)
         full = min(num_computed // self.block_size, len(table))
+        if full <= done:
+            return
+        size = self.block_size
+        parent = hashes[done - 1] if done else root_hash(self.hash_key, cache_salt)
         stored: list[int] = []
-        for i in range(done, full):
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size].tolist())
-            parent = hashes[i - 1] if i else ROOT_HASH
-            h = hash((parent, chunk))
+        new = hash_blocks(self.hash_key, parent, tokens[done * size : full * size], size)
+        for i, h in enumerate(new, start=done):
             hashes.append(h)
             block = self.blocks[table[i]]
             if block.hash is None and h not in self.cached:
-                block.hash, block.tokens = h, chunk
+                block.hash = h
                 self.cached[h] = block.block_id
                 stored.append(i)
-        self.hashed_blocks[request_id] = max(done, full)
+        self.hashed_blocks[request_id] = full
         if stored and self.kv_events is not None:
             self._record_stored(hashes, tokens, stored)
 
-    def _record_stored(self, hashes: list[int], tokens: np.ndarray, stored: list[int]) -> None:
+    def _record_stored(self, hashes: list[BlockHash], tokens: np.ndarray, stored: list[int]) -> None:
         """One BlockStored per run of consecutive blocks (a block whose hash another block
         already holds is not stored again, and splits the run)."""
         size = self.block_size
@@ -179,4 +182,4 @@ class BlockManager:
                 if self.kv_events is not None:
                     self.kv_events.append(BlockRemoved(
                         block_hashes=[external_hash(block.hash)], medium=MEDIUM))
-            block.hash, block.tokens = None, ()
+            block.hash = None

@@ -57,10 +57,11 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def external_hash(block_hash: int) -> int:
-    """A block's hash as an unsigned 64-bit integer, as vLLM publishes its hashes (Python's
-    are signed; some consumers decode the field as uint64)."""
-    return block_hash & 0xFFFF_FFFF_FFFF_FFFF
+def external_hash(block_hash: bytes) -> int:
+    """A block's hash as an unsigned 64-bit integer, as vLLM publishes its hashes by default
+    (the SHA-256 digest's first 8 bytes, big-endian; some consumers decode the field as
+    uint64)."""
+    return int.from_bytes(block_hash[:8], "big")
 
 
 def binds(endpoint: str) -> bool:

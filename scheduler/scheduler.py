@@ -188,10 +188,12 @@ class Scheduler:
         return self._build_step(scheduled, num_new, frozenset(admitted))
 
     def _cached_prefix(self, ctx: TextContext) -> list[int]:
-        """Cached blocks holding a prefix of the context's tokens. Images are keyed by their
-        pixels (`prefix_cache_tokens`), so only the same image hits. A hit may end inside an
-        image: the step that starts after it sends the image again (`images_to_encode`)."""
-        return self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx])
+        """Cached blocks holding a prefix of the context's tokens under its `cache_salt`
+        (another salt's blocks never match). Images are keyed by their pixels
+        (`prefix_cache_tokens`), so only the same image hits. A hit may end inside an image:
+        the step that starts after it sends the image again (`images_to_encode`)."""
+        return self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx],
+                                              ctx.cache_salt)
 
     def _finishes_with_pending_token(self, ctx: TextContext) -> bool:
         """Its placeholder token is the last it may have: it is done once that arrives."""
@@ -264,7 +266,7 @@ class Scheduler:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             # Blocks full of tokens this step computed (steps queued behind it are not done).
             self.blocks.register_full_blocks(ctx.request_id, ctx.prefix_cache_tokens,
-                                             int(step.batch.seq_lens[i]))
+                                             int(step.batch.seq_lens[i]), ctx.cache_salt)
             if ctx.end_idx - ctx.num_future >= self.config.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             if i in prompt_logprobs:

@@ -72,3 +72,58 @@ def test_shared_block_freed_only_when_last_owner_goes():
     assert all(bm.blocks[b].ref_count == 1 for b in cached)
     bm.free("b")
     assert bm.num_free_blocks == 6
+
+
+def test_a_block_hits_only_under_the_same_ancestors():
+    """The key chains over every earlier block: a block's own tokens after another prefix
+    never match (a hit compares whole prefixes, not 16 tokens)."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    prompt = np.arange(100, 113)
+    bm.allocate("a", 13)
+    bm.register_full_blocks("a", prompt, 13)
+    moved = np.concatenate([[7, 7, 7, 7], prompt[4:]])  # block 0 differs, blocks 1-2 the same
+    assert bm.find_cached_prefix(moved) == []
+    swapped = np.concatenate([prompt[4:8], prompt[:4], prompt[8:]])
+    assert bm.find_cached_prefix(swapped) == []
+    assert len(bm.find_cached_prefix(prompt)) == 3
+
+
+def test_different_cache_salts_never_share_blocks():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    prompt = np.arange(100, 113)
+    bm.allocate("a", 13)
+    bm.register_full_blocks("a", prompt, 13, cache_salt="tenant-a")
+    assert bm.find_cached_prefix(prompt, "tenant-a") == bm.block_table("a")[:3]
+    assert bm.find_cached_prefix(prompt, "tenant-b") == []
+    assert bm.find_cached_prefix(prompt) == []  # no salt is a salt of its own
+    assert bm.find_cached_prefix(prompt, "") == []
+    # The second tenant's blocks are its own, beside the first's.
+    bm.allocate("b", 13)
+    bm.register_full_blocks("b", prompt, 13, cache_salt="tenant-b")
+    assert bm.find_cached_prefix(prompt, "tenant-b") == bm.block_table("b")[:3]
+    assert set(bm.block_table("a")).isdisjoint(bm.block_table("b"))
+
+
+def test_block_keys_are_keyed_sha256_not_pythons_hash(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    prompt = np.arange(100, 108)
+
+    def hashes(key):
+        bm = BlockManager(num_blocks=4, block_size=4, hash_key=key)
+        bm.allocate("a", 8)
+        bm.register_full_blocks("a", prompt, 8)
+        return bm.block_hashes["a"]
+
+    one, other = hashes(b"k" * 32), hashes(b"K" * 32)
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in one)
+    assert one == hashes(b"k" * 32) and set(one).isdisjoint(other)
+    # A cache under another key finds nothing of these blocks, even for the same tokens.
+    bm = BlockManager(num_blocks=4, block_size=4, hash_key=b"k" * 32)
+    bm.allocate("a", 8)
+    bm.register_full_blocks("a", prompt, 8)
+    assert bm.block_hashes["a"] == one
+    assert len(bm.find_cached_prefix(np.append(prompt, 1))) == 2
+    bm.hash_key = b"K" * 32
+    assert bm.find_cached_prefix(np.append(prompt, 1)) == []
+    # Two managers made without a key each draw their own.
+    assert BlockManager(4, 4).hash_key != BlockManager(4, 4).hash_key

@@ -239,15 +239,21 @@ def test_block_manager_records_only_when_asked():
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(stored.block_hashes)
 
 
-def test_same_prefix_same_hashes_in_every_process():
-    """Replicas name a prefix alike (the hash chain starts from a constant, not hash(None))."""
+def test_hashes_are_keyed_per_process_unless_pythonhashseed_is_shared():
+    """Each process draws its own key, so nobody can precompute a block's hash; replicas given
+    the same PYTHONHASHSEED (as vLLM reads it) name a prefix alike, for routers that compare."""
     code = ("import numpy as np; from scheduler.block_manager import BlockManager as B\n"
             "b = B(4, 16, record_kv_events=True); b.allocate('a', 32)\n"
             "b.register_full_blocks('a', np.arange(32), 32)\n"
             "print(b.take_kv_events()[0].block_hashes)")
-    outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout for _ in range(2)}
-    assert len(outs) == 1
+
+    def hashes(**env):
+        base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                              text=True, check=True, env=dict(base, **env)).stdout
+
+    assert hashes() != hashes()
+    assert hashes(PYTHONHASHSEED="7") == hashes(PYTHONHASHSEED="7") != hashes(PYTHONHASHSEED="8")
 
 
 def test_publisher_binds_ipc_and_frames_like_vllm(tmp_path):
