@@ -132,9 +132,11 @@ def key(name: str) -> bytes:
     return struct.pack("<Q", len(name)) + name.encode()
 
 
-def test_nested_arrays_are_one_clear_error(tmp_path):
+def test_nested_arrays_are_one_clear_error(tmp_path, capsys):
     """Arrays of arrays (two levels) read; deeper ones are refused by key, and a file nesting
-    them 100,000 deep is the same one line, not a RecursionError."""
+    them 100,000 deep is the same one line, not a RecursionError, also from `loom serve`."""
+    from api_server.cli import main
+
     model = open_gguf(write_gguf(tmp_path / "two.gguf", arrays={"junk": [[1, 2], [3]]}))
     assert model.config.vocab_size == VOCAB
     assert_one_line_error(write_gguf(tmp_path / "three.gguf", arrays={"junk": [[[1]]]}),
@@ -143,6 +145,9 @@ def test_nested_arrays_are_one_clear_error(tmp_path):
     path = write_raw_header(tmp_path / "deep.gguf", key("deep.key") + struct.pack("<I", 9)
                             + levels + struct.pack("<IQ", 4, 0))
     assert_one_line_error(path, "deep.key", "nested more than 2 deep")
+    assert main(["serve", "--model", path]) == 1
+    assert capsys.readouterr().err == ("loom: error: deep.gguf: deep.key: arrays nested more "
+                                       "than 2 deep (a GGUF model's metadata nests none)\n")
 
 
 def test_millions_of_strings_are_refused_fast(tmp_path):
