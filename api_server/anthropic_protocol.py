@@ -19,6 +19,7 @@ from msgspec import Meta
 from api_server.image_inputs import ImagePart
 from api_server.protocol import (
     MAX_TOOLS,
+    CacheSalt,
     NonNegativeInt,
     PositiveInt,
     RequestError,
@@ -72,11 +73,13 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: TopP | None = None
     top_k: NonNegativeInt | None = None
     metadata: dict[str, Any] | None = None
+    # Extension (vLLM's field): keeps this tenant's prefix cache apart.
+    cache_salt: CacheSalt | None = None
 
 
 def sampling_of(req: MessagesRequest) -> SamplingFields:
     return SamplingFields(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                          stop=req.stop_sequences)
+                          stop=req.stop_sequences, cache_salt=req.cache_salt)
 
 
 def thinking_budget(req: CountTokensRequest) -> int | None:

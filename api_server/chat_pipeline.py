@@ -118,6 +118,7 @@ async def prepare_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
                 messages=messages, tools=rendered_tools, request_path=job.request_path,
                 timestamp_ns=time.time_ns(), chat_template_options=options,
                 logprobs=job.logprobs, response_format=response_format,
+                cache_salt=sampling.cache_salt,
                 sampling_params=routes._sampling_params(sampling, job.max_tokens, i))))
     except RequestError as exc:
         raise _renamed(exc, job) from None

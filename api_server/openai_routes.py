@@ -241,6 +241,7 @@ class OpenAIRoutes:
                 echo=bool(req.echo and wants_logprobs),
                 response_format=response_format,
                 sampling_params=self._sampling_params(req, max_tokens, i),
+                cache_salt=req.cache_salt,
             ), len(prompts) * n)
         except RequestError as exc:
             return error_response(exc)

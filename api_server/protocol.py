@@ -27,8 +27,11 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's own limit is 300
 MAX_TOOLS = 128
+MAX_CACHE_SALT_CHARS = 256
 MAX_JSON_DEPTH = 64  # nesting of schemas, template variables, message parts
 
+# vLLM's cache_salt: requests with different salts never share prefix-cache blocks.
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 StopStrings = Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)]],
                         Meta(max_length=MAX_STOP_STRINGS)]
 
@@ -75,6 +78,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

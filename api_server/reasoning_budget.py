@@ -34,7 +34,8 @@ def _with_tokens(ctx: TextContext, tokens: np.ndarray, max_length: int, request_
         request_id=request_id, max_length=max_length, tokens=tokens,
         eos_token_ids=set(ctx.eos_token_ids), ignore_eos=ctx.ignore_eos,
         sampling_params=params, model_name=ctx.model_name,
-        log_probabilities=ctx.log_probabilities, json_schema=ctx.json_schema)
+        log_probabilities=ctx.log_probabilities, json_schema=ctx.json_schema,
+        cache_salt=ctx.cache_salt)
 
 
 def close_thinking(tokenizer, ctx: TextContext, max_model_len: int) -> TextContext | None:

@@ -18,6 +18,7 @@ from msgspec import Meta
 from api_server.image_inputs import ImagePart
 from api_server.protocol import (
     MAX_TOOLS,
+    CacheSalt,
     NonNegativeInt,
     PositiveInt,
     RequestError,
@@ -73,6 +74,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
     user: str | None = None
+    # Extension (vLLM's, as on chat completions): keeps this tenant's prefix cache apart.
+    cache_salt: CacheSalt | None = None
     # Extensions, as on chat completions.
     seed: int | None = None
     top_k: int | None = None
@@ -80,7 +83,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
 def sampling_of(req: ResponsesRequest) -> SamplingFields:
     return SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                          top_k=req.top_k)
+                          top_k=req.top_k, cache_salt=req.cache_salt)
 
 
 def check_supported(req: ResponsesRequest) -> None:

@@ -233,6 +233,7 @@ class TextTokenizer:
             log_probabilities=request.logprobs,
             log_probabilities_echo=request.echo,
             json_schema=json_schema,
+            cache_salt=request.cache_salt,
         )
         if vision is not None and vision.images:
             return TextAndVisionContext(**fields, vision_token_ids=self.vision.vision_token_ids,

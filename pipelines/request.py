@@ -49,4 +49,5 @@ class TokenGeneratorRequest:
     echo: bool = False
     stop: str | list[str] | None = None
     chat_template_options: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's: separates tenants in the prefix cache
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
