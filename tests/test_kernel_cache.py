@@ -23,13 +23,23 @@ pytestmark = pytest.mark.skipif(
 KERNEL = "layer_ops"
 LOAD = ("import sys, worker.kernels as k; lib = k.load_kernel(sys.argv[1]); "
         "print(lib._name if lib else None); print(k.startup_summary()[1])")
+# The same, but the library's path is given another file (`SWAP_IN`) once the loader has
+# checked it, just before it loads it: the race a check by path would lose.
+SWAP = ("import ctypes, os, sys, worker.kernels as k\n"
+        "real = ctypes.CDLL\n"
+        "def swapped(name, *args, **kwargs):\n"
+        "    os.replace(os.environ['SWAP_IN'], os.environ['SWAP_AT'])\n"
+        "    return real(name, *args, **kwargs)\n"
+        "ctypes.CDLL = swapped\n"
+        "lib = k.load_kernel(sys.argv[1]); lib.loom_rms_norm\n"
+        "print(lib._name); print(k.startup_summary()[1])\n")
 
 
-def load(cache, **env):
+def load(cache, script=LOAD, **env):
     """(path of the library loaded or None, start-up summary line, stderr) in a fresh process."""
     clean = {k: v for k, v in os.environ.items()
              if k not in ("LOOM_DISABLE_KERNELS", "LOOM_KERNEL_MARCH", "LOOM_CACHE_DIR")}
-    r = subprocess.run([sys.executable, "-c", LOAD, KERNEL], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", script, KERNEL], cwd=ROOT, capture_output=True,
                        text=True, timeout=60,
                        env=dict(clean, PYTHONPATH=ROOT, LOOM_CACHE_DIR=str(cache), **env))
     assert r.returncode == 0, r.stderr
@@ -84,18 +94,46 @@ def test_world_writable_library_is_not_loaded(cached, tmp_path):
     assert load(cache)[0] == path and marker.exists()
 
 
-def test_directory_writable_by_others_is_not_trusted(cached, tmp_path):
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_directory_writable_by_group_or_others_is_not_trusted(cached, tmp_path, mode):
     cache, path = cached
     marker = tmp_path / "planted-code-ran"
     os.unlink(path)
     plant(tmp_path / "planted.so", marker)
     shutil.move(tmp_path / "planted.so", path)
     os.chmod(path, 0o755)
-    os.chmod(cache / "kernels", 0o777)
+    os.chmod(cache / "kernels", mode)
     loaded, _, err = load(cache)
     assert not marker.exists()
-    assert "writable by others" in err
+    assert f"writable by group or others (mode {mode:o})" in err
     assert loaded and not loaded.startswith(str(cache))
+
+
+def test_symbolic_link_is_not_followed(cached, tmp_path):
+    cache, path = cached
+    marker = tmp_path / "planted-code-ran"
+    plant(tmp_path / "planted.so", marker)
+    os.unlink(path)
+    os.symlink(tmp_path / "planted.so", path)
+    loaded, _, err = load(cache)
+    assert not marker.exists()
+    assert "refusing cached native kernel" in err and "a symbolic link" in err
+    assert loaded and loaded != path
+
+
+def test_library_swapped_after_its_check_is_not_the_one_loaded(cached, tmp_path):
+    """The loader checks the file it opened and loads that open file: a library put at the
+    path between the check and dlopen never runs."""
+    cache, path = cached
+    marker = tmp_path / "planted-code-ran"
+    plant(tmp_path / "planted.so", marker)
+    os.chmod(tmp_path / "planted.so", 0o755)
+    loaded, summary, _ = load(cache, SWAP, SWAP_IN=str(tmp_path / "planted.so"), SWAP_AT=path)
+    assert loaded == path and "1 loaded from cache" in summary
+    assert not marker.exists()
+    # Control: the planted file, now at the path and trustworthy (ours, 0755), does run when
+    # the path is loaded afresh.
+    assert load(cache)[0] == path and marker.exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")

@@ -6,7 +6,9 @@ target CPU. Without a compiler, callers fall back to the portable PyTorch path.
 A cached library is code this process will run, so it is only loaded from a directory nobody
 else can write into: loom creates its cache directories 0700, and refuses (with a warning) a
 library not owned by this user (or root), writable by group or others, or in a directory that
-others can write; it then builds a fresh copy in a private temporary directory.
+group or others can write (pipelines/checkpoint/cache_dirs.py); it then builds a fresh copy in
+a private temporary directory. The library is checked through the file descriptor it is then
+loaded from (/proc/self/fd), so what runs is what was checked, whatever happens to its path.
 
 `LOOM_KERNEL_MARCH` (default `native`) is the `-march` the kernels are built for: an image
 builds them once for a stated baseline (e.g. `x86-64-v3`) and ships them without a compiler;
@@ -17,15 +19,22 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import hashlib
 import logging
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import tempfile
 import time
+
+from pipelines.checkpoint.cache_dirs import (
+    cache_root,
+    directory_problem,
+    file_problem,
+    make_private_dirs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +58,7 @@ _MARCH_FLAGS = {"x86-64": set(), "x86-64-v2": _X86_V2, "x86-64-v3": _X86_V3,
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom")
-    return os.path.join(base, "kernels")
+    return os.path.join(cache_root(), "kernels")
 
 
 def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -72,9 +79,13 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     filename = f"{name}-{digest.hexdigest()[:16]}.so"
     try:
         target = os.path.join(_library_dir(), filename)
-        if os.path.exists(target) and not _trusted_file(target):
-            target = os.path.join(_private_build_dir(), filename)
-        if os.path.exists(target):
+        try:
+            fd = _open_trusted(target)
+        except _Untrusted as exc:
+            logger.warning("refusing cached native kernel %s: %s; rebuilding it in a private "
+                           "directory", target, exc)
+            target, fd = os.path.join(_private_build_dir(), filename), None
+        if fd is not None:
             _outcomes[key] = "cached"
         else:
             if not os.access(os.path.dirname(target), os.W_OK | os.X_OK):
@@ -85,9 +96,12 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             _compile(os.path.join(_HERE, f"{name}.c"), target, defines, march)
             _build_seconds[0] += time.monotonic() - started
             _outcomes[key] = "built"
-        _loaded[key] = ctypes.CDLL(target)
+            fd = _open_trusted(target)
+            if fd is None:
+                raise OSError(f"{target} vanished as it was built")
+        _loaded[key] = _load_from(fd, target)
         _places.add(os.path.dirname(target))
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except (OSError, subprocess.CalledProcessError, _Untrusted) as exc:
         # (Reported once for all kernels by `startup_summary`: one line, not one per kernel.)
         reason = _failure_reason(exc)
         logger.debug("native kernel %s unavailable (%s); using the PyTorch path", name, reason)
@@ -209,10 +223,10 @@ def _library_dir() -> str:
     it is writable); otherwise this process's private directory."""
     path = _cache_dir()
     try:
-        _make_private_dirs(path)
+        make_private_dirs(path)
     except OSError as exc:
         return _fall_back(path, f"cannot create it ({exc.strerror})")
-    problem = _directory_problem(path)
+    problem = directory_problem(path)
     if problem is not None:
         return _fall_back(path, problem)
     return path
@@ -224,53 +238,38 @@ def _fall_back(path: str, problem: str) -> str:
     return _private_build_dir()
 
 
-def _make_private_dirs(path: str) -> None:
-    """Create `path` and its missing parents 0700 (os.makedirs's mode covers only the last)."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:  # another process made it meanwhile
-            pass
+class _Untrusted(Exception):
+    """A library someone else could have written; the message says why."""
 
 
-def _directory_problem(path: str) -> str | None:
-    """Why code in `path` could have been written by someone else, or None. The directory
-    itself must not be writable by others; its ancestors must not let others rename it
-    (writable by others without the sticky bit, as /tmp has); all owned by us or root."""
-    current = os.path.realpath(path)
-    first = True
-    while True:
-        st = os.stat(current)
-        if st.st_uid not in (os.geteuid(), 0):
-            return f"{current} is owned by uid {st.st_uid}"
-        if st.st_mode & stat.S_IWOTH and (first or not st.st_mode & stat.S_ISVTX):
-            return f"{current} is writable by others"
-        parent = os.path.dirname(current)
-        if parent == current:
-            return None
-        current, first = parent, False
+def _open_trusted(path: str) -> int | None:
+    """A descriptor of the library at `path`, checked through that descriptor; None when
+    there is no file there; _Untrusted when someone else could have written it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Untrusted("a symbolic link") from None
+        raise
+    problem = file_problem(os.fstat(fd))
+    if problem is not None:
+        os.close(fd)
+        raise _Untrusted(problem)
+    return fd
 
 
-def _trusted_file(path: str) -> bool:
-    st = os.stat(path)
-    if st.st_uid not in (os.geteuid(), 0):
-        problem = f"owned by uid {st.st_uid}"
-    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problem = f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    elif not stat.S_ISREG(st.st_mode):
-        problem = "not a regular file"
-    else:
-        return True
-    logger.warning("refusing cached native kernel %s: %s; rebuilding it in a private "
-                   "directory", path, problem)
-    return False
+def _load_from(fd: int, path: str) -> ctypes.CDLL:
+    """dlopen the file `fd` was opened on (closed once loaded): not `path` again, which could
+    name another file by now."""
+    try:
+        proc_path = f"/proc/self/fd/{fd}"
+        lib = ctypes.CDLL(proc_path if os.path.exists(proc_path) else path)  # (Linux: /proc)
+    finally:
+        os.close(fd)
+    lib._name = path  # (its repr and the tests name the library, not a closed descriptor)
+    return lib
 
 
 def _private_build_dir() -> str:
