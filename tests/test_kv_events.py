@@ -5,6 +5,7 @@ the shapes of `vllm.distributed.kv_events`, old and new, not Loom's code)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -219,6 +220,66 @@ def test_events_follow_the_prefix_cache(served):
     seqs = [seq for seq, _ in sub.batches]
     assert seqs == list(range(len(seqs)))  # nothing lost, in order
     assert all(b.data_parallel_rank == 0 and abs(b.ts - time.time()) < 120 for _, b in sub.batches)
+
+
+def prefix_cache_hits(srv) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return float(re.search(r"^loom:prefix_cache_hits_total{[^}]*} (\S+)$", text, re.M).group(1))
+
+
+def test_cache_salt_keeps_tenants_apart_in_every_api(served):
+    """The same prompt under another cache_salt finds nothing of the first's blocks (its own
+    are stored beside them, under other hashes); under the same salt it hits. The hits are
+    counted as the request is admitted, before its response ends."""
+    srv, sub = served
+    rng = np.random.default_rng(1)
+
+    def words() -> str:
+        return " ".join(f"w{x}" for x in rng.integers(0, 10**6, 10))
+
+    bodies = {
+        "/v1/completions": {"prompt": rng.integers(1000, 40000, 3 * BLOCK + 1).tolist(),
+                            "max_tokens": 1},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": words()}],
+                                 "max_tokens": 1},
+        "/v1/responses": {"input": words(), "max_output_tokens": 1},
+        "/v1/messages": {"messages": [{"role": "user", "content": words()}], "max_tokens": 1},
+    }
+    def send(path: str, body: dict, salt: str) -> float:
+        before = prefix_cache_hits(srv)
+        r = httpx.post(srv.url + path, timeout=60, json={
+            "model": "tiny", "temperature": 0, **body, "cache_salt": salt})
+        assert r.status_code == 200, (path, r.text)
+        return prefix_cache_hits(srv) - before
+
+    def stored_after(count: int) -> list[BlockStored]:
+        sub.wait(lambda: len(sub.events(BlockStored)) > count)
+        return sub.events(BlockStored)
+
+    for path, body in bodies.items():
+        # Salts of their own per API: chat templates share a system prompt across the APIs.
+        count = len(sub.events(BlockStored))
+        send(path, body, f"a{path}")
+        count = len(stored_after(count))
+        assert send(path, body, f"b{path}") == 0, path
+        first, second = stored_after(count)[-2:]
+        assert first.token_ids[: 2 * BLOCK] == second.token_ids[: 2 * BLOCK]
+        assert set(first.block_hashes).isdisjoint(second.block_hashes)
+        assert send(path, body, f"a{path}") >= 2 * BLOCK, path
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 257, 7, ["a"]])
+def test_a_bad_cache_salt_is_a_400_naming_it(served, salt):
+    srv, _ = served
+    for path, body in [("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses", {"input": "hi"}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 1})]:
+        r = httpx.post(srv.url + path, timeout=60,
+                       json={"model": "tiny", **body, "cache_salt": salt})
+        assert r.status_code == 400, (path, r.text)
+        assert "cache_salt" in r.text, (path, r.text)
 
 
 def test_block_manager_records_only_when_asked():
