@@ -295,3 +295,76 @@ def test_chat_template_fallback(tmp_path, monkeypatch):
     writer.close()
     llama = AutoTokenizer.from_pretrained(gguf_tokenizer_dir(str(tmp_path / "l.gguf")))
     assert llama.chat_template is None and llama("a b")["input_ids"][0] == 2
+
+
+def write_llama_tokenizer_gguf(path) -> str:
+    """A llama file with a tokenizer and a chat template (no weights: the tokenizer only)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GEMMA_TOKENS)
+    writer.add_token_scores([0.0] * len(GEMMA_TOKENS))
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(GEMMA_TOKENS) - len(SPECIALS)))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_chat_template("{{ messages[0].content }}")
+    writer.add_tensor("token_embd.weight", np.zeros((len(GEMMA_TOKENS), H), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_tokenizer_cache_is_private(tmp_path, monkeypatch, capsys):
+    """The tokenizer cache (a chat template is code) is created 0700; one group or others can
+    write into is passed over for a private directory, with one warning line; a cached file
+    others could have changed is rebuilt."""
+    from transformers import AutoTokenizer
+
+    from pipelines.checkpoint.gguf_tokenizer import gguf_tokenizer_dir
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(cache))
+    model = write_llama_tokenizer_gguf(tmp_path / "l.gguf")
+    built = gguf_tokenizer_dir(model)
+    assert built.startswith(str(cache / "gguf-tokenizers") + os.sep)
+    for directory in (cache, cache / "gguf-tokenizers", built):
+        assert os.stat(directory).st_mode & 0o777 == 0o700, directory
+
+    def plant():  # what another user with write access would do
+        for name in os.listdir(built):
+            if name.endswith(".jinja") or name == "tokenizer_config.json":
+                text = open(os.path.join(built, name)).read()
+                open(os.path.join(built, name), "w").write(text.replace("[0].content", "|length"))
+        assert AutoTokenizer.from_pretrained(built).chat_template == "{{ messages|length }}"
+
+    def template(directory):
+        return AutoTokenizer.from_pretrained(directory).chat_template
+
+    plant()
+    os.chmod(cache / "gguf-tokenizers", 0o770)
+    capsys.readouterr()
+    private = gguf_tokenizer_dir(model)
+    assert not private.startswith(str(cache)) and template(private) == (
+        "{{ messages[0].content }}")
+    warning = capsys.readouterr().err.splitlines()[0]
+    assert warning.startswith("loom: warning: the cache directory ") and "mode 770" in warning
+    # A private directory again, but a planted file (left group-writable) is rebuilt in place.
+    os.chmod(cache / "gguf-tokenizers", 0o700)
+    config = os.path.join(built, "tokenizer_config.json")
+    os.chmod(config, 0o664)
+    assert gguf_tokenizer_dir(model) == built and template(built) == "{{ messages[0].content }}"
+    assert not os.stat(config).st_mode & 0o022
+
+
+def test_model_cache_others_can_write_is_refused(tmp_path, monkeypatch):
+    from pipelines.checkpoint.cache_dirs import UnsafeCacheError
+    from pipelines.checkpoint.default_model import cache_dir
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    assert cache_dir() == str(tmp_path / "cache" / "models")
+    assert os.stat(cache_dir()).st_mode & 0o777 == 0o700
+    os.chmod(tmp_path / "cache", 0o777)
+    with pytest.raises(UnsafeCacheError) as err:
+        cache_dir()
+    assert "\n" not in str(err.value) and "writable by group or others (mode 777)" in str(err.value)

@@ -34,8 +34,8 @@ def private_dir(path: str) -> str:
     make_private_dirs(path)
     problem = directory_problem(path)
     if problem is not None:
-        raise UnsafeCacheError(f"the cache directory {path} is not private: {problem} (chmod "
-                               f"go-w it, or set LOOM_CACHE_DIR to a directory of your own)")
+        raise UnsafeCacheError(f"the cache directory {path} is not private: {problem}; fix "
+                               f"that, or set LOOM_CACHE_DIR to a directory of your own")
     return path
 
 

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from pipelines.checkpoint.cache_dirs import cache_root, private_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -28,10 +30,10 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> str:
-    base = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom"
-    )
-    return os.path.join(base, "models")
+    """Loom's model cache, created 0700. What it holds is served as it is (weights, and a chat
+    template, which is code) and weighs hundreds of MB: a cache others could write into is
+    refused (UnsafeCacheError, one line saying how to fix it), not copied afresh each start."""
+    return private_dir(os.path.join(cache_root(), "models"))
 
 
 def default_model_dir() -> str:

@@ -8,6 +8,12 @@ where Loom knows it (`pipelines/checkpoint/chat_templates.py`: Gemma 3's), else 
 Building it reads the whole vocabulary (seconds), so it is done once per file and kept in
 Loom's cache, keyed by the file's path, size and modification time (and the fallback
 templates): a replaced file gets a new directory.
+
+A tokenizer directory holds a chat template, which is code, so the cache is used only where
+nobody else could have written it (pipelines/checkpoint/cache_dirs.py): a cache directory
+others can write into is passed over with a warning for a private one (the tokenizer is read
+again at each start, seconds), and a cached tokenizer with a file others could have changed is
+rebuilt.
 """
 
 from __future__ import annotations
@@ -18,8 +24,14 @@ import shutil
 import sys
 import tempfile
 
+from pipelines.checkpoint.cache_dirs import (
+    UnsafeCacheError,
+    cache_root,
+    contents_problem,
+    drop_others_write,
+    private_dir,
+)
 from pipelines.checkpoint.chat_templates import FALLBACK_TEMPLATES, fallback_template
-from pipelines.checkpoint.default_model import cache_dir
 from pipelines.checkpoint.gguf_file import GGUFError
 from pipelines.checkpoint.gguf_header import HeaderError, read_header
 
@@ -31,14 +43,33 @@ def is_gguf(path: str) -> bool:
 def gguf_tokenizer_dir(gguf_path: str) -> str:
     """The cached tokenizer directory for `gguf_path`, made first if needed."""
     target = _cached_dir(gguf_path)
-    if not os.path.isfile(os.path.join(target, "tokenizer_config.json")):
+    try:
+        private_dir(os.path.dirname(target))
+    except UnsafeCacheError as exc:
+        print(f"loom: warning: {exc}; reading the tokenizer into a private directory",
+              file=sys.stderr, flush=True)
+        return _build_privately(gguf_path)
+    except OSError:  # cannot be created (a read-only file system)
+        return _build_privately(gguf_path)
+    if not _is_built(target):
         try:
             _build(gguf_path, target)
-        except OSError:  # a read-only cache (a container's): a private directory
-            private = os.path.join(tempfile.mkdtemp(prefix="loom-gguf-tokenizer-"), "tok")
-            _build(gguf_path, private)
-            return private
+        except OSError:  # a read-only cache (a container's)
+            return _build_privately(gguf_path)
     return target
+
+
+def _is_built(target: str) -> bool:
+    """Whether `target` holds a tokenizer that only this user (or root) could have written."""
+    if not os.path.isfile(os.path.join(target, "tokenizer_config.json")):
+        return False
+    return contents_problem(target) is None
+
+
+def _build_privately(gguf_path: str) -> str:
+    private = os.path.join(tempfile.mkdtemp(prefix="loom-gguf-tokenizer-"), "tok")
+    _build(gguf_path, private)
+    return private
 
 
 def _cached_dir(gguf_path: str) -> str:
@@ -49,7 +80,7 @@ def _cached_dir(gguf_path: str) -> str:
         digest.update(f"\0{arch}\0{template}".encode())
     key = digest.hexdigest()
     stem = os.path.splitext(os.path.basename(real))[0]
-    return os.path.join(os.path.dirname(cache_dir()), "gguf-tokenizers", f"{stem}-{key[:16]}")
+    return os.path.join(cache_root(), "gguf-tokenizers", f"{stem}-{key[:16]}")
 
 
 def _build(gguf_path: str, target: str) -> None:
@@ -71,6 +102,7 @@ def _build(gguf_path: str, target: str) -> None:
     staging = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(target))
     try:
         tokenizer.save_pretrained(staging)
+        drop_others_write(staging)  # (a umask of 002 would make the next start rebuild it)
         if os.path.exists(target):
             shutil.rmtree(target)
         os.replace(staging, target)  # atomic: a half-written directory is never used
