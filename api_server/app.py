@@ -12,10 +12,11 @@ from starlette.routing import Route
 
 from api_server.anthropic_errors import anthropic_errors
 from api_server.anthropic_route import AnthropicRoute
+from api_server.cross_site import HostPolicy, guard_cross_site
 from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
 from api_server.metrics import Metrics
-from api_server.middleware import limit_body_size, require_api_key
+from api_server.middleware import PUBLIC_PATHS, limit_body_size, require_api_key
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.openapi import build_openapi
 from api_server.protocol import RequestError
@@ -31,7 +32,9 @@ VERSION = "0.1.0"
 
 def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
               api_key: str | None = None, max_request_bytes: int = 16 << 20,
-              speech: SpeechRoute | None = None):
+              speech: SpeechRoute | None = None, metrics_public: bool = False,
+              bound_host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = (),
+              allowed_origins: tuple[str, ...] = ()):
     async def health(request: Request) -> Response:
         reason = state.unhealthy_reason()
         if reason is None:
@@ -92,6 +95,11 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
     known_paths = {route.path for route in app.routes}
     wrapped = limit_body_size(app, max_request_bytes)
     if api_key:
-        wrapped = require_api_key(wrapped, api_key)
+        wrapped = require_api_key(wrapped, api_key,
+                                  PUBLIC_PATHS | {"/metrics"} if metrics_public else PUBLIC_PATHS)
+    # A key keeps DNS-rebound pages out already (they cannot know it): the Host check is for
+    # key-less servers. CORS preflights come before the key check (browsers send none).
+    host_policy = None if api_key else HostPolicy(bound_host, allowed_hosts)
+    wrapped = guard_cross_site(wrapped, host_policy, allowed_origins)
     # Outermost: Anthropic's routes answer every error, the middlewares' too, in its shape.
     return anthropic_errors(metrics.http_middleware(wrapped, known_paths))

@@ -13,6 +13,7 @@ from pipelines.config import (
     AdmissionLimits,
     BatchingConfig,
     DeviceConfig,
+    HttpLimits,
     KVCacheConfig,
     MediaLimits,
     PipelineConfig,
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most pixels an image may have (checked before it is decoded)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health and "
-                        "/metrics; the LOOM_API_KEY environment variable also sets it")
+                        "/live; the LOOM_API_KEY environment variable also sets it")
     s.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve on a non-loopback --host without an API key (refused otherwise: "
                         "anyone who can reach the port could use the model)")
@@ -173,11 +174,42 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         name = args.served_model_name or _model_name(model_dir)
         if model_dir != os.path.abspath(os.path.expanduser(args.model)):
             name = args.served_model_name or args.model
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (its counters tell about other "
+                        "clients' requests)")
+    s.add_argument("--allowed-hosts", type=_names, default=ServerConfig.allowed_hosts,
+                   help="without an API key, Host names answered besides loopback ones and "
+                        "--host, comma-separated; * for any (a guard against DNS rebinding)")
+    s.add_argument("--allowed-origins", type=_names, default=ServerConfig.allowed_origins,
+                   help="browser origins (https://app.example) allowed cross-origin requests, "
+                        "with CORS, comma-separated; * for any; others get 403")
+    s.add_argument("--max-header-bytes", type=parse_size, default=HttpLimits.max_header_bytes,
+                   help="largest request head (request line and headers; 431 beyond)")
+    s.add_argument("--max-headers", type=int, default=HttpLimits.max_headers,
+                   help="most header fields in a request (431 beyond)")
+    s.add_argument("--header-timeout", type=float, default=HttpLimits.header_timeout,
+                   help="seconds a request head may take to arrive (408, connection closed)")
+    s.add_argument("--max-connections", type=int, default=HttpLimits.max_connections,
+                   help="open connections at most; beyond, the one waiting longest for a "
+                        "request head is closed (or the new one refused with 503)")
     dtype, quantization = resolve_weights(model_dir, args.dtype, args.quantization)
     for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "max_sequences_per_request"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    if (min(args.max_header_bytes, args.max_headers, args.max_connections) < 1
+            or args.header_timeout <= 0):
+        raise StartupError("--max-header-bytes, --max-headers, --header-timeout and "
+                           "--max-connections must be positive")
+    return HttpLimits(max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                      header_timeout=args.header_timeout, max_connections=args.max_connections)
+
+
     check_kv_events(args)
     task = resolve_task(args.task, model_dir)
     check_tensor_parallel(args.tensor_parallel_size, task)
@@ -200,7 +232,9 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         admission=AdmissionLimits(max_queued_requests=args.max_queued_requests,
                                   max_queued_tokens=args.max_queued_tokens,
                                   step_timeout=args.step_timeout),
-        media=media_limits_from_args(args))
+        media=media_limits_from_args(args), http=http_limits_from_args(args),
+        allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+        metrics_public=args.metrics_public)
     return PipelineConfig(
         model=model,
         kv_cache=KVCacheConfig(block_size=args.block_size, memory=args.kv_cache_memory,

@@ -25,6 +25,7 @@ import uvicorn
 from api_server.app import build_app
 from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient, EngineDeadError
+from api_server.http_protocol import bounded_http_protocol
 from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
 from api_server.server_state import ServerState
@@ -233,10 +234,14 @@ class Launcher:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request
         app = build_app(state, routes, metrics, api_key=server_cfg.api_key,
-                        max_request_bytes=server_cfg.max_request_bytes, speech=speech)
+                        max_request_bytes=server_cfg.max_request_bytes, speech=speech,
+                        metrics_public=server_cfg.metrics_public, bound_host=server_cfg.host,
+                        allowed_hosts=server_cfg.allowed_hosts,
+                        allowed_origins=server_cfg.allowed_origins)
         server = _Server(uvicorn.Config(
             app, log_level=server_cfg.log_level, access_log=server_cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
+            http=bounded_http_protocol(server_cfg.http),
         ))
         tasks = []
         server.on_stop = lambda: tasks.append(asyncio.ensure_future(
@@ -305,7 +310,7 @@ async def _any_exited(children: list[multiprocessing.Process]) -> None:
 
 def _event_loop_factory():
     """uvloop's event loop where it is installed (the HTTP/SSE work per token is a third of
-    asyncio's), else asyncio's own. uvicorn picks httptools' parser by itself."""
+    asyncio's), else asyncio's own. The HTTP parser is httptools' (api_server/http_protocol.py)."""
     try:
         import uvloop
     except ImportError:

@@ -8,12 +8,14 @@ import msgspec
 
 _json = msgspec.json.Encoder()
 
-# Routes that stay open without a key: load balancers and Prometheus must reach them.
-PUBLIC_PATHS = frozenset({"/health", "/live", "/metrics", "/openapi.json"})
+# Routes that stay open without a key: load balancers must reach them. /metrics is not one
+# unless --metrics-public: its counters (the prefix cache's hits among them) tell one client
+# about the others' requests.
+PUBLIC_PATHS = frozenset({"/health", "/live", "/openapi.json"})
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str,
-                      headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(send, status: int, message: str, type_: str, code: str,
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = _json.encode({"error": {"message": message, "type": type_, "param": None,
                                    "code": code}})
     await send({"type": "http.response.start", "status": status,
@@ -35,8 +37,8 @@ def limit_body_size(app, max_bytes: int):
         declared = dict(scope["headers"]).get(b"content-length")
         too_big = f"the request body exceeds {max_bytes} bytes (--max-request-bytes)"
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            return await _send_error(send, 413, too_big, "invalid_request_error",
-                                     "request_too_large")
+            return await send_error(send, 413, too_big, "invalid_request_error",
+                                    "request_too_large")
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -45,8 +47,8 @@ def limit_body_size(app, max_bytes: int):
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > max_bytes:
-                return await _send_error(send, 413, too_big, "invalid_request_error",
-                                         "request_too_large")
+                return await send_error(send, 413, too_big, "invalid_request_error",
+                                        "request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -65,14 +67,14 @@ def limit_body_size(app, max_bytes: int):
     return middleware
 
 
-def require_api_key(app, api_key: str):
-    """Every route but PUBLIC_PATHS needs `Authorization: Bearer <key>`, or `x-api-key: <key>`
-    (how Anthropic's clients send it)."""
+def require_api_key(app, api_key: str, public_paths: frozenset[str] = PUBLIC_PATHS):
+    """Every route but `public_paths` needs `Authorization: Bearer <key>`, or
+    `x-api-key: <key>` (how Anthropic's clients send it)."""
     expected = f"Bearer {api_key}".encode()
     expected_header = api_key.encode()
 
     async def middleware(scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in public_paths:
             return await app(scope, receive, send)
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")
@@ -81,9 +83,9 @@ def require_api_key(app, api_key: str):
         bearer_ok = hmac.compare_digest(given, expected)
         header_ok = hmac.compare_digest(given_header, expected_header)
         if not (bearer_ok or header_ok):
-            return await _send_error(send, 401, "missing or invalid API key",
-                                     "authentication_error", "invalid_api_key",
-                                     [(b"www-authenticate", b"Bearer")])
+            return await send_error(send, 401, "missing or invalid API key",
+                                    "authentication_error", "invalid_api_key",
+                                    [(b"www-authenticate", b"Bearer")])
         return await app(scope, receive, send)
 
     return middleware

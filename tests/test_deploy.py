@@ -73,6 +73,19 @@ def test_kubernetes_liveness_probe_asks_the_event_loop():
     assert {"/live", container["readinessProbe"]["httpGet"]["path"]} <= PUBLIC_PATHS
 
 
+def test_kubernetes_metrics_are_scraped_without_the_key():
+    """/metrics needs the key unless --metrics-public, and the annotations' scrape job sends
+    none: the autoscaler reads the queue through it."""
+    from api_server.cli import build_parser
+
+    with open(MANIFEST) as f:
+        deployment = next(d for d in yaml.safe_load_all(f) if d["kind"] == "Deployment")
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] == "/metrics"
+    _, container = deployment_pod()
+    assert build_parser().parse_args(["serve", *container["args"]]).metrics_public
+
+
 def test_kubernetes_pod_is_locked_down():
     pod, container = deployment_pod()
     for context in (pod["securityContext"], container["securityContext"]):

@@ -2,7 +2,10 @@
 parameter (or bounded), the server keeps serving, no traceback reaches the log, and /metrics
 counts the refusals by reason."""
 
+import os
 import re
+import socket
+import threading
 import time
 
 import httpx
@@ -18,7 +21,8 @@ MSG = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     srv = start_server(tiny_model_dir, "--max-model-len", "256", "--served-model-name", "tiny",
-                       "--max-sequences-per-request", "64", "--max-queued-tokens", "2000")
+                       "--max-sequences-per-request", "64", "--max-queued-tokens", "2000",
+                       "--header-timeout", "3", "--allowed-origins", "https://app.example")
     yield srv
     assert srv.stop() == 0
     assert "Traceback" not in srv.log()
@@ -288,3 +292,171 @@ def test_refusals_are_counted_by_reason(server):
 
     assert count("too_many_sequences") >= 1
     assert count("limit_exceeded") >= 1
+
+
+# ---- HTTP framing: heads that never end, connections that never ask (#26) ---------------------
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def open_sockets(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
+class HonestRequest(threading.Thread):
+    """A completion that runs while an attack does: it must finish, and in full."""
+
+    def __init__(self, server, max_tokens=48):
+        super().__init__()
+        self.server, self.max_tokens, self.response = server, max_tokens, None
+        self.start()
+
+    def run(self):
+        self.response = post(self.server, COMP, {"prompt": "hi", "max_tokens": self.max_tokens,
+                                                 "ignore_eos": True, "temperature": 0})
+
+    def assert_finished(self):
+        self.join(60)
+        r = self.response
+        assert r is not None and r.status_code == 200, r and r.text
+        assert r.json()["usage"]["completion_tokens"] == self.max_tokens
+
+
+def endless_head(port: int, limit: int = 64 << 20) -> tuple[int, bytes]:
+    """Send one header field that never ends; (bytes sent, the server's answer)."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Endless: ")
+        sent, chunk = 0, b"a" * (64 << 10)
+        try:
+            while sent < limit:
+                s.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # the server closed the connection: what we want
+            pass
+        s.settimeout(10)
+        try:
+            return sent, s.recv(4096)
+        except OSError:
+            return sent, b""
+
+
+def test_request_heads_are_bounded(server):
+    honest = HonestRequest(server)
+    before = rss_mib(server.proc.pid)
+    results = []
+    attackers = [threading.Thread(target=lambda: results.append(endless_head(server.port)))
+                 for _ in range(8)]
+    for t in attackers:
+        t.start()
+    for t in attackers:
+        t.join(60)
+    after = rss_mib(server.proc.pid)
+    print(f"endless heads: API process RSS {before:.0f} -> {after:.0f} MiB, "
+          f"{sum(sent for sent, _ in results) >> 10} KiB sent by 8 clients")
+    assert len(results) == 8
+    for sent, answer in results:
+        assert sent < 32 << 20, sent  # cut off (the rest sat in the kernel's buffers)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer
+        assert b"--max-header-bytes" in answer
+    assert after - before < 64
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        fields = b"".join(b"X-%d: 1\r\n" % i for i in range(500))
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + fields + b"\r\n")
+        s.settimeout(10)
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"--max-headers" in answer, answer
+    honest.assert_finished()
+    assert_serving(server)
+
+
+def test_slow_heads_are_closed_and_capped(server):
+    """Slowloris: 2,500 connections that never finish their head. Beyond --max-connections
+    (2,048) the oldest give way; --header-timeout (3 s here) closes the rest; an honest
+    client is served meanwhile."""
+    honest = HonestRequest(server)
+    slow = []
+    try:
+        for _ in range(2500):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loc")
+            slow.append(s)
+        started = time.monotonic()
+        assert open_sockets(server.proc.pid) <= 2048 + 32  # + the listener, ZeroMQ, ...
+        r = httpx.get(server.url + "/v1/models", timeout=30)
+        assert r.status_code == 200 and time.monotonic() - started < 10
+        closed, deadline = set(), time.monotonic() + 30
+        while len(closed) < len(slow) and time.monotonic() < deadline:
+            for i, s in enumerate(slow):
+                if i in closed:
+                    continue
+                s.setblocking(False)
+                try:
+                    s.recv(4096)
+                    closed.add(i)  # a 408 or the end of the stream
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed.add(i)
+            time.sleep(0.2)
+        assert len(closed) == len(slow)
+    finally:
+        for s in slow:
+            s.close()
+    honest.assert_finished()
+    assert_serving(server)
+
+
+# ---- what a web page may not send: DNS-rebound Host, other origins, text/plain JSON (#26) ------
+def post_raw(server, path, body=b'{"prompt": "hi", "max_tokens": 2, "temperature": 0}',
+             headers=None):
+    headers = {"content-type": "application/json", **(headers or {})}
+    return httpx.post(server.url + path, content=body, headers=headers, timeout=60)
+
+
+def test_a_keyless_server_answers_only_local_host_names(server):
+    evil = httpx.get(server.url + "/v1/models", headers={"Host": "evil.example"})
+    assert evil.status_code == 403 and evil.json()["error"]["code"] == "host_not_allowed"
+    r = post_raw(server, COMP, headers={"Host": "evil.example:80"})
+    assert r.status_code == 403
+    for host in (f"localhost:{server.port}", "127.0.0.1", f"[::1]:{server.port}"):
+        assert httpx.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200
+    for probe in ("/health", "/live", "/metrics"):  # a kubelet sends the pod's IP
+        assert httpx.get(server.url + probe, headers={"Host": "10.1.2.3"}).status_code == 200
+
+
+def test_json_bodies_need_a_json_content_type(server):
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        for path in (COMP, CHAT, "/v1/messages", "/tokenize"):
+            r = post_raw(server, path, headers={"content-type": kind})
+            assert r.status_code == 415, (kind, path, r.text)
+    r = post_raw(server, COMP, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+
+
+def test_cross_origin_requests_need_an_allowed_origin(server):
+    simple = post_raw(server, COMP, headers={"origin": "https://evil.example",
+                                             "content-type": "text/plain"})
+    assert simple.status_code == 403 and simple.json()["error"]["code"] == "origin_not_allowed"
+    evil = post_raw(server, COMP, headers={"origin": "https://evil.example"})
+    assert evil.status_code == 403
+    preflight = {"access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type,authorization"}
+    refused = httpx.options(server.url + CHAT,
+                            headers={"origin": "https://evil.example", **preflight})
+    assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+    ok = httpx.options(server.url + CHAT, headers={"origin": "https://app.example", **preflight})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "https://app.example"
+    assert "POST" in ok.headers["access-control-allow-methods"]
+    assert "authorization" in ok.headers["access-control-allow-headers"]
+    r = post_raw(server, COMP, headers={"origin": "https://app.example"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+

@@ -296,8 +296,15 @@ def test_api_key(tiny_model_dir):
     srv = start_server(tiny_model_dir, "--api-key", "s3cret")
     try:
         assert httpx.get(srv.url + "/health").status_code == 200
-        assert httpx.get(srv.url + "/metrics").status_code == 200
         assert httpx.get(srv.url + "/live").json() == {"status": "alive"}  # (probes: no key)
+        # The counters tell about other clients' requests: key needed (or --metrics-public).
+        assert httpx.get(srv.url + "/metrics").status_code == 401
+        assert httpx.get(srv.url + "/metrics",
+                         headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # A key keeps rebound pages out: any Host is served to whoever holds it.
+        assert httpx.get(srv.url + "/v1/models", headers={"Host": "loom.example",
+                                                           "Authorization": "Bearer s3cret"}
+                         ).status_code == 200
         r = httpx.get(srv.url + "/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         bad = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
