@@ -158,22 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve on a non-loopback --host without an API key (refused otherwise: "
                         "anyone who can reach the port could use the model)")
-    s.add_argument("--log-level", default=ServerConfig.log_level,
-                   choices=["debug", "info", "warning", "error"], help="log verbosity")
-    return parser
-
-
-def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
-    if args.model is None:
-        from pipelines.checkpoint.default_model import DEFAULT_MODEL_NAME, find_gguf
-
-        model_dir = find_gguf()
-        name = args.served_model_name or DEFAULT_MODEL_NAME
-    else:
-        model_dir = resolve_model_alias(args.model)
-        name = args.served_model_name or _model_name(model_dir)
-        if model_dir != os.path.abspath(os.path.expanduser(args.model)):
-            name = args.served_model_name or args.model
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (its counters tell about other "
                         "clients' requests)")
@@ -192,11 +176,11 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     s.add_argument("--max-connections", type=int, default=HttpLimits.max_connections,
                    help="open connections at most; beyond, the one waiting longest for a "
                         "request head is closed (or the new one refused with 503)")
-    dtype, quantization = resolve_weights(model_dir, args.dtype, args.quantization)
-    for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "max_sequences_per_request"):
-        if getattr(args, flag) < (0 if flag == "port" else 1):
-            raise StartupError(f"--{flag.replace('_', '-')} must be positive")
+    s.add_argument("--log-level", default=ServerConfig.log_level,
+                   choices=["debug", "info", "warning", "error"], help="log verbosity")
+    return parser
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
@@ -210,6 +194,22 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
                       header_timeout=args.header_timeout, max_connections=args.max_connections)
 
 
+def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    if args.model is None:
+        from pipelines.checkpoint.default_model import DEFAULT_MODEL_NAME, find_gguf
+
+        model_dir = find_gguf()
+        name = args.served_model_name or DEFAULT_MODEL_NAME
+    else:
+        model_dir = resolve_model_alias(args.model)
+        name = args.served_model_name or _model_name(model_dir)
+        if model_dir != os.path.abspath(os.path.expanduser(args.model)):
+            name = args.served_model_name or args.model
+    dtype, quantization = resolve_weights(model_dir, args.dtype, args.quantization)
+    for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "max_sequences_per_request"):
+        if getattr(args, flag) < (0 if flag == "port" else 1):
+            raise StartupError(f"--{flag.replace('_', '-')} must be positive")
     check_kv_events(args)
     task = resolve_task(args.task, model_dir)
     check_tensor_parallel(args.tensor_parallel_size, task)

@@ -78,9 +78,6 @@ class MediaLimits:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-@dataclass(frozen=True)
 class HttpLimits:
     """What one connection may hold before its request is served (api_server/http_protocol.py)."""
     max_header_bytes: int = 64 << 10  # the request line and the header fields together (431)
@@ -89,6 +86,9 @@ class HttpLimits:
     max_connections: int = 2048  # open at once; beyond, one still waiting for a head is closed
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     allow_unauthenticated: bool = False
@@ -103,17 +103,17 @@ class HttpLimits:
     reasoning_parser: str = "auto"
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     media: MediaLimits = field(default_factory=MediaLimits)
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    model: ServedModelConfig
     http: HttpLimits = field(default_factory=HttpLimits)
     # Browser guards (api_server/cross_site.py): extra Host names a key-less server answers
     # ("*": any), origins allowed cross-origin requests (CORS; "*": any).
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     metrics_public: bool = False  # /metrics without the API key
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    model: ServedModelConfig
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
