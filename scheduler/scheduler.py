@@ -250,8 +250,12 @@ class Scheduler:
         sampled = result.sampled_token_ids
         logprobs = sampled_logprobs_by_seq(result)
         prompt_logprobs = prompt_logprobs_by_seq(result)
+        failures = {f.seq: f.error for f in result.failed}
         for i, ctx in enumerate(step.contexts):
             if ctx.request_id not in self.requests:  # aborted (or ended) while the step ran
+                continue
+            if i in failures:  # it failed alone: the others of the step go on
+                outputs.append(self._fail(ctx, failures[i]))
                 continue
             stats.num_prompt_tokens += step.prompt_tokens[i]
             if step.batch.sample[i]:
@@ -299,15 +303,16 @@ class Scheduler:
 
     def fail_step(self, step: ScheduledStep, message: str) -> list[TextGenerationOutput]:
         """The worker could not run this step: its requests end with an error."""
-        outputs = []
-        for ctx in step.contexts:
-            if ctx.request_id in self.requests:
-                ctx.status = GenerationStatus.ERROR
-                timings = self._finish(ctx)
-                outputs.append(TextGenerationOutput(
-                    request_id=ctx.request_id, tokens=[], final_status=GenerationStatus.ERROR,
-                    error=message, timings=timings))
-        return outputs
+        return [self._fail(ctx, message) for ctx in step.contexts
+                if ctx.request_id in self.requests]
+
+    def _fail(self, ctx: TextContext, message: str) -> TextGenerationOutput:
+        """End a request with an error."""
+        ctx.status = GenerationStatus.ERROR
+        timings = self._finish(ctx)
+        return TextGenerationOutput(request_id=ctx.request_id, tokens=[],
+                                    final_status=GenerationStatus.ERROR, error=message,
+                                    timings=timings)
 
 
 def new_request_for_worker(ctx: TextContext) -> NewRequest:

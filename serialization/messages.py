@@ -207,6 +207,14 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class SequenceFailure(msgspec.Struct, array_like=True):
+    """Sequence `seq` of a step failed alone (its sampling state, grammar, sampling or log
+    probabilities raised): that request ends with `error`, the others of the step go on."""
+
+    seq: int
+    error: str
+
+
 class StepResult(msgspec.Struct, tag=True, omit_defaults=True):
     step_id: int
     sampled_token_ids: np.ndarray  # int32 [num_seqs], -1 where nothing was sampled
@@ -217,7 +225,8 @@ class StepResult(msgspec.Struct, tag=True, omit_defaults=True):
     prompt_logprobs: list[PromptLogprobs] = []
     started_at: float = 0.0  # worker received the step
     finished_at: float = 0.0  # worker sent the result
-    error: str | None = None
+    error: str | None = None  # the whole step failed
+    failed: list[SequenceFailure] = []
 
 
 class WorkerReady(msgspec.Struct, tag=True):

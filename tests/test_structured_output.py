@@ -261,7 +261,7 @@ def test_constrained_draws_follow_the_masked_distribution(smollm2_dir):
     import torch
 
     from pipelines import SamplingParams
-    from worker.sampler import RequestSamplingState, sample
+    from worker.sampler import RequestSamplingState, sample_isolated
 
     compiler, start, allowed = _grammar(smollm2_dir)
     ok = np.flatnonzero(allowed)
@@ -279,7 +279,10 @@ def test_constrained_draws_follow_the_masked_distribution(smollm2_dir):
                   for i in range(8)]
         for st in states:
             st.matcher = start.deep_copy()
-        tokens = compiler.sample(logits.clone(), states, list(range(8)), sample).tolist()
+        failed = {}
+        tokens = compiler.sample(logits.clone(), states, list(range(8)), sample_isolated,
+                                 failed).tolist()
+        assert failed == {}
         assert set(tokens) <= set(ok[:2].tolist())
         counts += torch.tensor([tokens.count(int(ok[0])), tokens.count(int(ok[1]))])
         # Each matcher consumed its token (accepted at once or after its mask): it has moved on.
@@ -292,7 +295,7 @@ def test_greedy_constrained_rows_take_the_best_allowed_token(smollm2_dir):
     import torch
 
     from pipelines import SamplingParams
-    from worker.sampler import RequestSamplingState, sample
+    from worker.sampler import RequestSamplingState, sample_isolated
 
     compiler, start, allowed = _grammar(smollm2_dir)
     torch.manual_seed(0)
@@ -301,6 +304,9 @@ def test_greedy_constrained_rows_take_the_best_allowed_token(smollm2_dir):
     for st in states:
         st.matcher = start.deep_copy()
     logits[:3, torch.from_numpy(allowed)] += 10.0  # rows 0-2: the unmasked argmax passes
-    tokens = compiler.sample(logits.clone(), states, list(range(6)), sample).tolist()
+    failed = {}
+    tokens = compiler.sample(logits.clone(), states, list(range(6)), sample_isolated,
+                             failed).tolist()
+    assert failed == {}
     masked = logits.masked_fill(~torch.from_numpy(allowed), float("-inf"))
     assert tokens == masked.argmax(dim=-1).tolist()

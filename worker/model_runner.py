@@ -13,7 +13,14 @@ from pipelines.checkpoint.gguf_file import dequantize, open_gguf
 from pipelines.checkpoint.gguf_tokenizer import is_gguf
 from pipelines.checkpoint.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pipelines.context import FUTURE_TOKEN
-from serialization.messages import StepBatch, StepResult
+from serialization.messages import (
+    NewRequest,
+    PromptLogprobs,
+    SequenceFailure,
+    StepBatch,
+    StepResult,
+    TokenLogprobs,
+)
 from worker.block_weights import load_block_weights, quantize_weights
 from worker.device import (
     dtype_name,
@@ -31,7 +38,7 @@ from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.pipeline_model import ModelInputs, ModelOutputs, PipelineModel
 from worker.quant_linear import QuantLinear
 from worker.runner_config import RunnerConfig
-from worker.sampler import RequestSamplingState, sample
+from worker.sampler import RequestSamplingState, describe, sample_isolated
 from worker.structured_output import GrammarCompiler
 from worker.tensor_parallel import (
     ShardPlan,
@@ -81,6 +88,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(shard, self.dtype, self.num_blocks, cfg.block_size,
                                           self.device)
         self.requests: dict[str, RequestSamplingState] = {}
+        self.failing: set[str] = set()  # requests that failed alone (their state says why)
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
             "model %s (%s, %s, %s) loaded in %.1fs; KV cache %.2f GiB = %d blocks x %d = %d "
@@ -144,12 +152,7 @@ class ModelRunner:
         sequence, packed). Runs the forward pass, samples, and computes the log
         probabilities asked for. Requests the scheduler lists as finished are released."""
         for new in step.new_requests:
-            state = RequestSamplingState.create(
-                new.sampling_params, new.eos_token_ids, new.sampling_params.logit_bias,
-                new.logprobs, new.prompt_token_ids, new.echo_logprobs, new.prompt_len)
-            if new.json_schema is not None and self.samples:
-                state.matcher = self._matcher(new.request_id, new.json_schema)
-            self.requests[new.request_id] = state
+            self.requests[new.request_id] = self._new_state(new)
         for request_id in step.finished_request_ids:
             self.release(request_id)
         # (After the bookkeeping: a failed step's requests are ended by the scheduler, which
@@ -163,11 +166,17 @@ class ModelRunner:
         if num_seqs == 0:
             return out
         states = [self.requests[rid] for rid in step.request_ids]
-        sample_seqs = np.flatnonzero(step.sample)
-        last_rows = np.cumsum(step.query_lens.astype(np.int64)) - 1
+        due = np.flatnonzero(step.sample)  # the sequences every rank expects a token for
+        # One request's failure ends that request, never the step: seq -> error. A request
+        # that failed before is in steps already built behind that one: it samples no more.
+        failed = {i: states[i].error for i, rid in enumerate(step.request_ids)
+                  if rid in self.failing} if self.failing else {}
+        sample_seqs = due[~np.isin(due, list(failed))] if failed else due
         echo_plans = plan_echo(step, states) if self.samples else []
+        if failed:
+            echo_plans = [p for p in echo_plans if p.seq not in failed]
         # (A rank that does not sample computes no logits: rows of none.)
-        rows = [last_rows[sample_seqs] if self.samples else last_rows[:0]]
+        rows = [last_rows_of(step)[sample_seqs] if self.samples else np.zeros(0, np.int64)]
         rows += [p.rows for p in echo_plans]
         inputs = self.model.prepare_initial_token_inputs(
             step, torch.from_numpy(_realize_future_tokens(step, states)),
@@ -176,65 +185,156 @@ class ModelRunner:
         with torch.inference_mode():
             outputs = self.model.execute(inputs).to_host()
             if not self.samples:
-                self._follow_samples(out, sample_seqs, states)
+                self._follow_samples(out, due, states)
                 return out
             try:
                 if echo_plans:
-                    out.prompt_logprobs = resolve_echo(echo_plans,
-                                                       outputs.logits[len(sample_seqs):], states)
+                    out.prompt_logprobs = self._echo(echo_plans,
+                                                     outputs.logits[len(sample_seqs):], states,
+                                                     failed)
                 if len(sample_seqs):
-                    self._sample(out, inputs, outputs, [states[i] for i in sample_seqs],
-                                 sample_seqs)
+                    self._sample(out, inputs, outputs, states, sample_seqs, failed)
+                if failed:
+                    out.sampled_token_ids[list(failed)] = -1
             finally:  # (a failed sampling too: the other ranks wait for its tokens)
-                if self.tp is not None and len(sample_seqs):
-                    broadcast_tokens(out.sampled_token_ids[sample_seqs])
+                if self.tp is not None and len(due):
+                    broadcast_tokens(out.sampled_token_ids[due])
+        if failed:
+            self._fail(out, step, states, failed)
         return out
+
+    def _new_state(self, new: NewRequest) -> RequestSamplingState:
+        """A request's sampling state. One that cannot be built (or whose JSON schema does
+        not compile) is a state that records why: the request fails at its first step."""
+        try:
+            state = RequestSamplingState.create(
+                new.sampling_params, new.eos_token_ids, new.sampling_params.logit_bias,
+                new.logprobs, new.prompt_token_ids, new.echo_logprobs, new.prompt_len)
+        except Exception as exc:
+            state = RequestSamplingState(new.sampling_params, torch.Generator(),
+                                         error=f"sampling parameters: {describe(exc)}")
+        if new.json_schema is not None and self.samples and state.error is None:
+            try:
+                state.matcher = self.grammars.matcher_for(new.json_schema)
+            except Exception as exc:  # (never unconstrained: the request fails)
+                state.error = f"structured output: the JSON schema failed to compile: {exc}"
+        if state.error is not None:
+            self.failing.add(new.request_id)
+        return state
+
+    def _fail(self, out: StepResult, step: StepBatch, states: list[RequestSamplingState],
+              failed: dict[int, str]) -> None:
+        """Report the step's failed sequences; their requests sample no more."""
+        out.failed = [SequenceFailure(seq, error) for seq, error in failed.items()]
+        for seq, error in failed.items():
+            request_id = step.request_ids[seq]
+            if request_id not in self.failing:
+                logger.warning("request %s failed: %s", request_id, error)
+                states[seq].error = error
+                self.failing.add(request_id)
 
     def _follow_samples(self, out: StepResult, sample_seqs: np.ndarray,
                         states: list[RequestSamplingState]) -> None:
         """A rank that does not sample takes rank 0's tokens, as rank 0 recorded them: none
-        if its sampling failed (-1), so that later FUTURE_TOKEN inputs agree on every rank."""
+        (-1) where a sequence or the whole sampling failed, so that later FUTURE_TOKEN inputs
+        agree on every rank."""
         if not len(sample_seqs):
             return
         tokens = np.full(len(sample_seqs), -1, dtype=np.int32)
         broadcast_tokens(tokens)
         out.sampled_token_ids[sample_seqs] = tokens
-        if (tokens >= 0).all():
-            for i, token in zip(sample_seqs.tolist(), tokens.tolist()):
+        for i, token in zip(sample_seqs.tolist(), tokens.tolist()):
+            if token >= 0:
                 states[i].output_tokens.append(token)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state, and what the model kept for it (its
         KV blocks are the scheduler's)."""
         self.requests.pop(request_id, None)
+        self.failing.discard(request_id)
         self.model.release(request_id)
 
     def _sample(self, out: StepResult, inputs: ModelInputs, outputs: ModelOutputs,
-                batch_states: list[RequestSamplingState], sample_seqs: np.ndarray) -> None:
+                states: list[RequestSamplingState], sample_seqs: np.ndarray,
+                failed: dict[int, str]) -> None:
+        """A token for each of `sample_seqs`, drawn as one batch. A row whose logits
+        processing, grammar, draw or log probabilities raise is added to `failed` alone (the
+        batched calls are redone row by row only when they raise: nothing per token)."""
+        batch_states = [states[i] for i in sample_seqs]
         top_n = [st.logprobs for st in batch_states]
         # Log probabilities are of the raw logits: sampling adjusts a copy when they are asked.
         logits = outputs.next_token_logits
         logits = logits.clone() if any(top_n) else logits
-        process_logits(logits, batch_states)
-        constrained = [j for j, st in enumerate(batch_states) if st.matcher is not None]
+        errors: dict[int, str] = {}  # rows of this batch
+        process_logits(logits, batch_states, errors)
+        constrained = [j for j, st in enumerate(batch_states)
+                       if st.matcher is not None and j not in errors]
         if constrained:
-            tokens = self.grammars.sample(logits, batch_states, constrained, sample)
+            tokens = self.grammars.sample(logits, batch_states, constrained, sample_isolated,
+                                          errors)
         else:
-            tokens = sample(logits, batch_states)
+            tokens, draw_errors = sample_isolated(logits, batch_states)
+            errors.update(draw_errors)
+        if errors:
+            tokens[list(errors)] = 0  # (a valid index for the log probabilities; never sent)
+            top_n = [0 if j in errors else n for j, n in enumerate(top_n)]
+        logprobs = self._logprobs(inputs, outputs, tokens, top_n, errors)
         out.sampled_token_ids[sample_seqs] = tokens.numpy()
-        for st, token in zip(batch_states, tokens.tolist()):
-            st.output_tokens.append(token)
-        logprobs = self.model.compute_log_probabilities(inputs, outputs, tokens, top_n)
+        for j, (st, token) in enumerate(zip(batch_states, tokens.tolist())):
+            if j not in errors:
+                st.output_tokens.append(token)
         if logprobs is not None:
             out.logprob_seqs = [int(sample_seqs[j]) for j, n in enumerate(top_n) if n > 0]
             out.sampled_logprobs = logprobs
+        for j, error in errors.items():
+            failed.setdefault(int(sample_seqs[j]), error)
 
-    def _matcher(self, request_id: str, json_schema: str):
+    def _logprobs(self, inputs: ModelInputs, outputs: ModelOutputs, tokens: torch.Tensor,
+                  top_n: list[int], errors: dict[int, str]) -> TokenLogprobs | None:
+        """The sampled tokens' log probabilities for the rows that asked (`top_n`), all at
+        once; should that raise, row by row, a row that raises failing alone (its top_n
+        then 0)."""
         try:
-            return self.grammars.matcher_for(json_schema)
-        except Exception as exc:  # validated by the API already; never fail the whole step
-            logger.error("request %s: grammar failed to compile: %s", request_id, exc)
+            return self.model.compute_log_probabilities(inputs, outputs, tokens, top_n)
+        except Exception:
+            pass
+        width = max(top_n)
+        parts = []
+        for j, n in enumerate(top_n):
+            if not n:
+                continue
+            alone = [0] * len(top_n)
+            alone[j] = width
+            try:
+                parts.append(self.model.compute_log_probabilities(inputs, outputs, tokens,
+                                                                  alone))
+            except Exception as exc:
+                errors[j] = f"log probabilities: {describe(exc)}"
+                top_n[j] = 0
+        if not parts:
             return None
+        return TokenLogprobs(*(np.concatenate([getattr(p, name) for p in parts])
+                               for name in ("token_logprobs", "top_token_ids", "top_logprobs")))
+
+    def _echo(self, plans: list, logits: torch.Tensor, states: list[RequestSamplingState],
+              failed: dict[int, str]) -> list[PromptLogprobs]:
+        """Prompt log probabilities (echo), request by request: one that raises fails
+        alone."""
+        results = []
+        offset = 0
+        for plan in plans:
+            n = len(plan.rows)
+            try:
+                results += resolve_echo([plan], logits[offset : offset + n], states)
+            except Exception as exc:
+                failed[plan.seq] = f"prompt log probabilities: {describe(exc)}"
+            offset += n
+        return results
+
+
+def last_rows_of(step: StepBatch) -> np.ndarray:
+    """Each sequence's last row of the step's flat token array (the row it samples from)."""
+    return np.cumsum(step.query_lens.astype(np.int64)) - 1
 
 
 def check_step(step: StepBatch, num_blocks: int, block_size: int, max_model_len: int,

@@ -33,6 +33,7 @@ class RequestSamplingState:
     echo_next: int = 1
     echo_carry: torch.Tensor | None = None
     matcher: object | None = None  # llguidance matcher for constrained decoding
+    error: str | None = None  # why this request failed (it samples no more)
 
     @classmethod
     def create(cls, params: SamplingParams, eos_token_ids: list[int] = (),
@@ -70,6 +71,30 @@ def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Te
         rows = torch.tensor(random_rows)
         tokens[rows] = _sample_random(logits[rows], [states[i] for i in random_rows])
     return tokens
+
+
+def sample_isolated(logits: torch.Tensor, states: list[RequestSamplingState],
+                    ) -> tuple[torch.Tensor, dict[int, str]]:
+    """`sample`, where a row that raises fails alone: the batch is drawn at once, and only if
+    that raises, row by row, to find the culprits. Returns the tokens (0 in a failed row) and
+    each failed row's error. (A row drawn before the failure then draws again: its token is
+    still a fair draw, though not its seed's usual one.)"""
+    try:
+        return sample(logits, states), {}
+    except Exception:
+        pass
+    tokens = torch.zeros(len(states), dtype=torch.long)
+    errors = {}
+    for row, state in enumerate(states):
+        try:
+            tokens[row] = sample(logits[row : row + 1], [state])[0]
+        except Exception as exc:
+            errors[row] = describe(exc)
+    return tokens, errors
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from pipelines.grammar import grammar_for_json_schema
 from serialization.cpu_placement import worker_threads
+from worker.sampler import describe
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,11 @@ class GrammarCompiler:
             logits[row, :n].masked_fill_(forbidden[j], float("-inf"))
             logits[row, n:] = float("-inf")  # ids past the grammar's vocabulary (padding)
 
-    def sample(self, logits: torch.Tensor, states: list, constrained: list[int],
-               draw) -> torch.Tensor:
-        """`draw(logits, states)` for every row, the `constrained` rows kept to their grammar,
-        each of whose matchers then consumes its token.
+    def sample(self, logits: torch.Tensor, states: list, constrained: list[int], draw,
+               failed: dict[int, str]) -> torch.Tensor:
+        """`draw(logits, states)` (-> tokens, {row: error}) for every row, the `constrained`
+        rows kept to their grammar, each of whose matchers then consumes its token. A row
+        whose grammar or draw fails is added to `failed` (row -> error) and the others go on.
 
         A row that samples from the whole distribution (greedy, or temperature alone) draws
         first and is masked only if the grammar rejects its token, then draws again: a token
@@ -147,23 +149,64 @@ class GrammarCompiler:
         tokenization of text the grammar forces (its mask admits only the canonical one)."""
         masked_first = [j for j in constrained if _filters_the_distribution(states[j].params)]
         if masked_first:
-            self._mask(logits, masked_first, states)
-        tokens = draw(logits, states)
+            self._mask(logits, masked_first, states, failed)
+        tokens, errors = draw(logits, states)
+        failed.update(errors)
         drawn = tokens.tolist()
-        rejected = [j for j in constrained if j not in masked_first
-                    and states[j].matcher.try_consume_tokens([drawn[j]]) != 1]
+        rejected = []
+        for j in constrained:
+            if j in masked_first or j in failed:
+                continue
+            try:
+                if states[j].matcher.try_consume_tokens([drawn[j]]) != 1:
+                    rejected.append(j)
+            except Exception as exc:
+                failed[j] = f"structured output: {describe(exc)}"
         if rejected:
-            self._mask(logits, rejected, states)
-            tokens[rejected] = draw(logits[rejected], [states[j] for j in rejected])
+            self._mask(logits, rejected, states, failed)
+            rejected = [j for j in rejected if j not in failed]
+            again, errors = draw(logits[rejected], [states[j] for j in rejected])
+            tokens[rejected] = again
+            failed.update((rejected[k], error) for k, error in errors.items())
             drawn = tokens.tolist()
         for j in masked_first + rejected:
-            matcher = states[j].matcher
-            if not matcher.consume_token(drawn[j]):
-                logger.warning("grammar rejected token %d: %s", drawn[j], matcher.get_error())
+            if j not in failed:
+                self._consume(states[j].matcher, drawn[j], j, failed)
         return tokens
 
-    def _mask(self, logits: torch.Tensor, rows: list[int], states: list) -> None:
-        self.apply_masks(logits, rows, self.compute_masks([states[j].matcher for j in rows]))
+    @staticmethod
+    def _consume(matcher, token: int, row: int, failed: dict[int, str]) -> None:
+        """The matcher takes the token its mask allowed. Should it refuse it (the mask left
+        nothing, or the grammar broke), the output is no longer held to the schema: the
+        request ends with an error, never silently unconstrained."""
+        try:
+            if matcher.consume_token(token):
+                return
+            if matcher.is_error():
+                failed[row] = f"structured output: the grammar failed: {matcher.get_error()}"
+            else:  # (a stopped grammar: its request ends with this step)
+                logger.warning("grammar rejected token %d: %s", token, matcher.get_error())
+        except Exception as exc:
+            failed[row] = f"structured output: {describe(exc)}"
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], states: list,
+              failed: dict[int, str]) -> None:
+        """Masks the rows by their grammars: all at once, or, if that raises, one at a time
+        so that only the rows whose grammar fails are added to `failed`."""
+        try:
+            allowed = self.compute_masks([states[j].matcher for j in rows])
+        except Exception:
+            for j in rows:
+                try:
+                    self.apply_masks(logits, [j], self.compute_masks([states[j].matcher]))
+                except Exception as exc:
+                    failed[j] = f"structured output: {describe(exc)}"
+            return
+        self.apply_masks(logits, rows, allowed)
+        for j in rows:
+            if states[j].matcher.is_error():
+                failed[j] = f"structured output: the grammar failed: " \
+                            f"{states[j].matcher.get_error()}"
 
 
 def _filters_the_distribution(params) -> bool:
