@@ -18,13 +18,13 @@ from msgspec import Meta
 
 from api_server.image_inputs import ImagePart
 from api_server.protocol import (
+    MAX_TOKEN_COUNT,
     MAX_TOOLS,
     CacheSalt,
-    NonNegativeInt,
-    PositiveInt,
     RequestError,
     SamplingFields,
     StopStrings,
+    TokenCount,
     TopP,
     check_depth,
 )
@@ -42,7 +42,7 @@ class AnthropicMessage(msgspec.Struct, kw_only=True):
 
 class ThinkingConfig(msgspec.Struct, kw_only=True):
     type: str  # "enabled", "disabled"; others ("adaptive", ...) leave it to the model
-    budget_tokens: NonNegativeInt | None = None
+    budget_tokens: TokenCount | None = None
 
 
 class OutputFormat(msgspec.Struct, kw_only=True):
@@ -66,12 +66,12 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
-    max_tokens: PositiveInt
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKEN_COUNT)]
     stop_sequences: StopStrings | None = None
     stream: bool | None = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: TopP | None = None
-    top_k: NonNegativeInt | None = None
+    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_COUNT)] | None = None  # (and the vocabulary)
     metadata: dict[str, Any] | None = None
     # Extension (vLLM's field): keeps this tenant's prefix cache apart.
     cache_salt: CacheSalt | None = None

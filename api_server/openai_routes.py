@@ -42,6 +42,7 @@ from api_server.protocol import (
     RequestError,
     SamplingFields,
     check_depth,
+    check_top_k,
     decode_body,
     prompts_of,
 )
@@ -132,6 +133,7 @@ class OpenAIRoutes:
                          ) -> SamplingParams:
         temperature = 1.0 if req.temperature is None else req.temperature
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        check_top_k(req.top_k, self.tokenizer.vocab_size)
         try:
             return SamplingParams(
                 top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,

@@ -19,6 +19,16 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+# Every number the worker turns into a tensor or a generator seed is bounded here, where it is
+# parsed: one out-of-range value must be this request's 400, never a failed step for the batch.
+# top_k: -1 or 0 turn it off (vLLM's meanings); above the vocabulary it is refused once the
+# vocabulary is known (`check_top_k`). Seeds: a 64-bit integer, as vLLM takes them.
+MAX_TOKEN_COUNT = (1 << 31) - 1  # token counts (max_tokens, min_tokens, top_k)
+TopK = Annotated[int, Meta(ge=-1, le=MAX_TOKEN_COUNT)]
+Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+TokenCount = Annotated[int, Meta(ge=0, le=MAX_TOKEN_COUNT)]
+# Finite, and far enough from 0 that dividing a logit by it stays finite in float32.
+RepetitionPenalty = Annotated[float, Meta(ge=0.01, le=100.0)]
 
 # Request-controlled sizes that no other check bounds (the body limit aside). Each is a 400
 # naming the parameter; README's security section lists them.
@@ -57,7 +67,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields common to completions and chat (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
-    max_tokens: NonNegativeInt | None = None
+    max_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1, le=128)] = 1
@@ -66,14 +76,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop: Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)] | StopStrings | None = None
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # Extensions, as vLLM names them.
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: Probability | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    min_tokens: NonNegativeInt = 0
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: TokenCount = 0
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
@@ -101,7 +111,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: NonNegativeInt | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     return_tokens_as_token_ids: bool | None = False
@@ -111,7 +121,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # Reasoning models: a budget for the thought (an extension, as vLLM's), or OpenAI's effort.
-    max_reasoning_tokens: NonNegativeInt | None = None
+    max_reasoning_tokens: TokenCount | None = None
     reasoning_effort: str | None = None
 
 
@@ -161,6 +171,14 @@ def decode_body(body: bytes, type_: type) -> Any:
         raise RequestError(f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise RequestError("the JSON body is nested too deeply") from None
+
+
+def check_top_k(top_k: int | None, vocab_size: int) -> None:
+    """top_k past the vocabulary means nothing (and once overflowed the worker's tensors):
+    refused with the vocabulary's size, which the msgspec type cannot know."""
+    if top_k is not None and top_k > vocab_size:
+        raise RequestError(f"top_k must be at most the vocabulary size ({vocab_size}), or "
+                           f"-1 or 0 to turn it off; got {top_k}", param="top_k")
 
 
 def check_depth(value: Any, param: str, max_depth: int = MAX_JSON_DEPTH) -> None:

@@ -17,13 +17,15 @@ from msgspec import Meta
 
 from api_server.image_inputs import ImagePart
 from api_server.protocol import (
+    MAX_TOKEN_COUNT,
     MAX_TOOLS,
     CacheSalt,
-    NonNegativeInt,
-    PositiveInt,
     RequestError,
     SamplingFields,
+    Seed,
     Temperature,
+    TokenCount,
+    TopK,
     TopP,
     check_depth,
 )
@@ -52,14 +54,14 @@ class ReasoningOptions(msgspec.Struct, kw_only=True):
     summary: str | None = None
     generate_summary: str | None = None
     # An extension (OpenRouter's name): the thought's budget in tokens.
-    max_tokens: NonNegativeInt | None = None
+    max_tokens: TokenCount | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     input: str | Annotated[list[Any], Meta(max_length=MAX_INPUT_ITEMS)]
     model: str | None = None
     instructions: str | None = None
-    max_output_tokens: PositiveInt | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKEN_COUNT)] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
@@ -77,8 +79,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # Extension (vLLM's, as on chat completions): keeps this tenant's prefix cache apart.
     cache_salt: CacheSalt | None = None
     # Extensions, as on chat completions.
-    seed: int | None = None
-    top_k: int | None = None
+    seed: Seed | None = None
+    top_k: TopK | None = None  # (and at most the vocabulary: checked with it)
 
 
 def sampling_of(req: ResponsesRequest) -> SamplingFields:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+SAMPLING_EPS = 1e-5
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Request-specific sampling parameters, with the names, defaults and meanings of max.pipelines.
@@ -45,7 +47,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.top_k == 1 or self.temperature == 0.0
+        # (A temperature this small is greedy too, as in vLLM: dividing the logits by it
+        # would overflow float32 to inf, and the softmax to NaN.)
+        return self.top_k == 1 or self.temperature < SAMPLING_EPS
 
 
 class SamplingParamsError(ValueError):
