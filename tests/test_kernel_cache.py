@@ -145,6 +145,16 @@ def test_library_of_another_user_is_not_loaded(cached, tmp_path):
     assert loaded and loaded != path
 
 
+def test_libraries_loaded_one_after_another_are_each_their_own(tmp_path):
+    """Each library is loaded from its own descriptor (/proc/self/fd/N): a later one must not
+    be handed an earlier one that the dynamic loader knows under the same name."""
+    script = ("import sys, worker.kernels as k\n"
+              "norms = k.load_kernel('layer_ops'); gemm = k.load_kernel('packed_linear')\n"
+              "print(gemm.loom_linear_panel_width() > 0, bool(norms.loom_rms_norm))\n"
+              "print(k.startup_summary()[1])\n")
+    assert load(tmp_path / "cache", script)[0] == "True True"
+
+
 def test_cached_library_loads_without_a_compiler(cached):
     cache, path = cached
     loaded, summary, _ = load(cache, CC="/nonexistent/cc")

@@ -46,6 +46,7 @@ _outcomes: dict[tuple[str, tuple[str, ...]], str] = {}
 _build_seconds = [0.0]
 _places: set[str] = set()  # the directories the loaded libraries came from
 _private_dir: list[str] = []
+_library_fds: list[int] = []  # the loaded libraries' descriptors (see _load_from)
 _warned: set[str] = set()
 
 # The CPU flags (as /proc/cpuinfo names them) each x86-64 micro-architecture level needs: a
@@ -261,14 +262,21 @@ def _open_trusted(path: str) -> int | None:
 
 
 def _load_from(fd: int, path: str) -> ctypes.CDLL:
-    """dlopen the file `fd` was opened on (closed once loaded): not `path` again, which could
-    name another file by now."""
-    try:
-        proc_path = f"/proc/self/fd/{fd}"
-        lib = ctypes.CDLL(proc_path if os.path.exists(proc_path) else path)  # (Linux: /proc)
-    finally:
+    """dlopen the file `fd` was opened on: not `path` again, which could name another file by
+    now. The descriptor stays open for the process's life: the dynamic loader knows a library
+    by the name it was opened under, and would hand the one loaded as /proc/self/fd/N to a
+    later dlopen of that name, once N named another file."""
+    proc_path = f"/proc/self/fd/{fd}"
+    if not os.path.exists(proc_path):  # (not Linux: by path, checked just before)
         os.close(fd)
-    lib._name = path  # (its repr and the tests name the library, not a closed descriptor)
+        return ctypes.CDLL(path)
+    try:
+        lib = ctypes.CDLL(proc_path)
+    except OSError:
+        os.close(fd)
+        raise
+    _library_fds.append(fd)
+    lib._name = path  # (its repr and the tests name the library, not a descriptor)
     return lib
 
 
