@@ -130,7 +130,11 @@ def _local_file_bytes(url: str, param: str, limits: MediaLimits) -> bytes:
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise RequestError("a file:// URL must name a local path", param=param)
-    path = os.path.realpath(urllib.parse.unquote(parts.path))
+    path = urllib.parse.unquote(parts.path)
+    if "\0" in path:  # no file has one; os.path raises ValueError on it
+        raise RequestError("the file:// URL holds a NUL character (%00)", param=param,
+                           code="invalid_image_url")
+    path = os.path.realpath(path)
     root = os.path.realpath(root)
     if os.path.commonpath([root, path]) != root:
         raise RequestError("the file is outside --allowed-local-media-path", param=param,

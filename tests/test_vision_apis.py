@@ -158,6 +158,7 @@ BAD_IMAGES = [
     ("data:image/png;base64," + NOT_AN_IMAGE, "invalid_image"),
     ("https://example.com/cat.png", "unsupported_image_url"),
     ("file:///etc/passwd", "forbidden_path"),
+    ("file:///etc/passwd%00.png", "invalid_image_url"),  # was a 500 (os.path on a NUL)
 ]
 
 
