@@ -431,6 +431,24 @@ def test_a_keyless_server_answers_only_local_host_names(server):
         assert httpx.get(server.url + probe, headers={"Host": "10.1.2.3"}).status_code == 200
 
 
+def test_host_rule_of_servers_bound_elsewhere():
+    """(Tests serve on loopback only: the rule for other binds, read directly.) Bound to every
+    address, a key-less server (--allow-unauthenticated) answers IP addresses, a container's
+    or pod's included, but no name a page could rebind; --allowed-hosts adds names."""
+    from api_server.cross_site import HostPolicy
+
+    everywhere = HostPolicy("0.0.0.0", ("gpu-box.lan",))
+    for host in ("10.1.2.3:8000", "[fd00::5]:8000", "localhost:8000", "GPU-box.lan.", None):
+        assert everywhere.allows(host), host
+    for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "a b"):
+        assert not everywhere.allows(host), host
+    named = HostPolicy("gpu-box.lan", ())
+    assert named.allows("gpu-box.lan:8000") and not named.allows("other.lan")
+    loopback = HostPolicy("::1", ())
+    assert loopback.allows("[::1]:8000") and not loopback.allows("10.1.2.3")
+    assert HostPolicy("127.0.0.1", ("*",)).allows("evil.example")
+
+
 def test_json_bodies_need_a_json_content_type(server):
     for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
         for path in (COMP, CHAT, "/v1/messages", "/tokenize"):
