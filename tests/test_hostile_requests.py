@@ -2,6 +2,7 @@
 parameter (or bounded), the server keeps serving, no traceback reaches the log, and /metrics
 counts the refusals by reason."""
 
+import json
 import os
 import re
 import socket
@@ -478,3 +479,70 @@ def test_cross_origin_requests_need_an_allowed_origin(server):
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == "https://app.example"
 
+
+
+# ---- issue 26: numeric sampling fields bounded where they are parsed, in all three APIs ---------
+HUGE = 2**64 - 1
+RESP, MESSAGES = "/v1/responses", "/v1/messages"
+ASK = {"model": "tiny", "max_tokens": 4, "messages": MSG}
+OUT_OF_RANGE = [  # (path, body, the parameter the 400 names)
+    (COMP, {"prompt": "hi", "top_k": HUGE, "temperature": 1}, "top_k"),
+    (COMP, {"prompt": "hi", "top_k": 1_000_000, "temperature": 1}, "top_k"),  # > vocabulary
+    (COMP, {"prompt": "hi", "top_k": -2}, "top_k"),
+    (COMP, {"prompt": "hi", "seed": HUGE}, "seed"),
+    (COMP, {"prompt": "hi", "min_tokens": HUGE}, "min_tokens"),
+    (COMP, b'{"prompt": "hi", "repetition_penalty": 1e999}', "repetition_penalty"),
+    (COMP, {"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
+    (CHAT, {"messages": MSG, "top_k": 2**63, "temperature": 1}, "top_k"),
+    (CHAT, {"messages": MSG, "top_k": 1_000_000}, "top_k"),
+    (CHAT, {"messages": MSG, "seed": -(2**63) - 1}, "seed"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": HUGE}, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (RESP, {"input": "hi", "top_k": 2**63, "temperature": 1}, "top_k"),
+    (RESP, {"input": "hi", "top_k": 1_000_000}, "top_k"),
+    (RESP, {"input": "hi", "seed": HUGE}, "seed"),
+    (RESP, {"input": "hi", "max_output_tokens": HUGE}, "max_output_tokens"),
+    (MESSAGES, {**ASK, "top_k": HUGE, "temperature": 1}, "top_k"),
+    (MESSAGES, {**ASK, "top_k": 1_000_000}, "top_k"),
+    (MESSAGES, {**ASK, "max_tokens": HUGE}, "max_tokens"),
+]
+
+
+def test_out_of_range_sampling_fields_are_refused_while_others_are_served(server):
+    # Each probe is a 400 naming its parameter (in Anthropic's shape on /v1/messages), and a
+    # streamed request running meanwhile ends as it would alone.
+    honest = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+    alone = post(server, COMP, honest).json()["choices"][0]["text"]
+    streamed: dict = {}
+
+    def stream():
+        texts = []
+        with httpx.stream("POST", server.url + COMP, json={**honest, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    texts.append(choice["text"])
+                    streamed["finish"] = choice["finish_reason"] or streamed.get("finish")
+        streamed["text"] = "".join(texts)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    for path, body, param in OUT_OF_RANGE:
+        r = (httpx.post(server.url + path, content=body, timeout=60,
+                        headers={"content-type": "application/json"})
+             if isinstance(body, bytes) else post(server, path, body))
+        if path == MESSAGES:
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and param in error["message"], error
+        else:
+            assert_refused(r, param)
+    reader.join(timeout=120)
+    assert streamed == {"text": alone, "finish": "length"}
+    # In range, the same fields are served: -1 turns top_k off, as vLLM takes it.
+    ok = post(server, COMP, {"prompt": "hi", "max_tokens": 2, "top_k": -1, "seed": 2**63 - 1,
+                             "repetition_penalty": 100.0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    vocab_top_k = post(server, CHAT, {"messages": MSG, "max_tokens": 2, "top_k": 49152})
+    assert vocab_top_k.status_code == 200, vocab_top_k.text
