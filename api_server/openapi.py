@@ -52,7 +52,8 @@ def _responses(*errors: int, content_type: str = "application/json",
 
 
 def _post(schema: str, summary: str, stream: bool = False, error: str = "Error") -> dict:
-    responses = _responses(400, 401, 404, 408, 413, 429, 503, error=error)
+    # 403: a refused Host or Origin; 415: a body not sent as application/json.
+    responses = _responses(400, 401, 403, 404, 408, 413, 415, 429, 503, error=error)
     if stream:
         # Events are JSON chunks, then the literal [DONE].
         responses["200"]["content"]["text/event-stream"] = {"schema": {}}
