@@ -46,6 +46,7 @@ class AnthropicRoute:
                        parallel_tool_calls=not (req.tool_choice or {}).get(
                            "disable_parallel_tool_use", False),
                        response_format=response_format(req),
+                       response_format_param="output_config.format",
                        reasoning_tokens=thinking_budget(req), reasoning_share=effort_share(req),
                        request_path="/v1/messages")
 
@@ -129,10 +130,10 @@ class _MessageBuilder:
         d = self.last
         if d is None:
             return None
+        if d.finish_reason == "length":  # with any complete calls as tool_use blocks
+            return "max_tokens"
         if d.made_calls:
             return "tool_use"
-        if d.finish_reason == "length":
-            return "max_tokens"
         return "stop_sequence" if d.stop_sequence is not None else "end_turn"
 
     def block(self, block: Block, done: bool = True) -> dict:

@@ -21,9 +21,14 @@ from api_server.generation import ChoiceDelta, merge_choices, stream_choice
 from api_server.protocol import RequestError, SamplingFields, check_depth
 from api_server.reasoning import CLOSE, NoReasoning, ThinkParser, opens_thinking
 from api_server.reasoning_budget import close_thinking, continue_after_thinking
-from api_server.structured import validate_schema
+from api_server.structured import validate_grammar, validate_schema
 from api_server.tool_calls import ForcedCallCollector, ToolCall, check_tools, forced_call_schema
-from api_server.tool_parsers import format_instructions, new_parser, render_calls
+from api_server.tool_parsers import (
+    answer_or_calls_grammar,
+    format_instructions,
+    new_parser,
+    render_calls,
+)
 from api_server.tool_validation import ToolCallChecker
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
@@ -43,6 +48,7 @@ class ChatJob:
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # False: a forced call is one call, not a list
     response_format: dict | None = None  # {"type": "json_schema", "json_schema": <text>}
+    response_format_param: str = "response_format"  # how the API names it, for errors
     template_options: dict | None = None
     # A reasoning budget: tokens, or a share of the output budget (effort levels).
     reasoning_tokens: int | None = None
@@ -93,15 +99,16 @@ async def prepare_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
             messages = [{"role": "system", "content": format_instructions(fmt, tools)},
                         *messages]
     response_format = job.response_format
+    max_calls = routes.max_parallel_tool_calls if job.parallel_tool_calls else 1
     if mode == "forced":
-        if response_format is not None:
-            raise RequestError("a response format can't be combined with a forced tool call",
-                               param="response_format")
-        schema = forced_call_schema(tools, forced_name)
-        if not job.parallel_tool_calls and forced_name is None:
-            schema = {**schema, "maxItems": 1}
-        schema = validate_schema(schema, "tools")
+        # As OpenAI: a forced call is the call's grammar; a response format governs text only.
+        schema = validate_schema(forced_call_schema(tools, forced_name, max_calls), "tools")
         response_format = {"type": "json_schema", "json_schema": schema}
+    elif mode == "auto" and response_format is not None:
+        # Either a tool call or an answer in the format: the model chooses.
+        grammar = answer_or_calls_grammar(fmt, tools, response_format["json_schema"], max_calls)
+        response_format = {"type": "json_schema",
+                           "json_schema": validate_grammar(grammar, job.response_format_param)}
     sampling = job.sampling
     if mode == "auto" and fmt == "mistral":  # its [TOOL_CALLS] is a special token
         sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
@@ -289,7 +296,7 @@ class ChatRun:
             reasoning += more_reasoning
             if calls is not None:
                 text, more_calls = calls.push(more)
-                rest, last = calls.finish()
+                rest, last = calls.finish(cut=d.finish_reason == "length")
                 content, found = content + text + rest, found + more_calls + last
             else:
                 content += more

@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split <think>...</think> reasoning from the answer "
                         "(reasoning_content, reasoning items, thinking blocks); auto: when "
                         "the chat template uses the tags")
+    s.add_argument("--max-parallel-tool-calls", type=int,
+                   default=ServerConfig.max_parallel_tool_calls,
+                   help="most calls a forced tool call (tool_choice required) may make when "
+                        "parallel calls are allowed; the model may end the list sooner")
+    s.add_argument("--responses-store-default", choices=["true", "false"],
+                   default=str(ServerConfig.responses_store_default).lower(),
+                   help="/v1/responses `store` for requests that leave it out (OpenAI's "
+                        "default: true; stored responses are kept in memory, bounded)")
     s.add_argument("--max-request-bytes", type=parse_size,
                    default=ServerConfig.max_request_bytes,
                    help="largest request body accepted (413 beyond)")
@@ -207,7 +215,7 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
             name = args.served_model_name or args.model
     dtype, quantization = resolve_weights(model_dir, args.dtype, args.quantization)
     for flag in ("port", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "max_sequences_per_request"):
+                 "max_sequences_per_request", "max_parallel_tool_calls"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise StartupError(f"--{flag.replace('_', '-')} must be positive")
     check_kv_events(args)
@@ -229,6 +237,8 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         max_sequences_per_request=args.max_sequences_per_request,
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        max_parallel_tool_calls=args.max_parallel_tool_calls,
+        responses_store_default=args.responses_store_default == "true",
         admission=AdmissionLimits(max_queued_requests=args.max_queued_requests,
                                   max_queued_tokens=args.max_queued_tokens,
                                   step_timeout=args.step_timeout),

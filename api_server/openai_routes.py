@@ -98,6 +98,8 @@ class OpenAIRoutes:
         template = getattr(tokenizer.delegate, "chat_template", None)
         self.tool_call_parser = resolve_tool_call_parser(server.tool_call_parser, template)
         self.reasoning_parser = resolve_reasoning_parser(server.reasoning_parser, template)
+        self.max_parallel_tool_calls = server.max_parallel_tool_calls
+        self.responses_store_default = server.responses_store_default
 
     # ---- /v1/models -------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -365,7 +367,7 @@ class OpenAIRoutes:
             for c in call_chunks(d.index, d.calls):
                 yield c
             if d.finish_reason:
-                finish = "tool_calls" if num_calls[d.index] else d.finish_reason
+                finish = _finish(d.finish_reason, num_calls[d.index])
                 yield chunk(d.index, {}, finish)
         if req.stream_options and req.stream_options.include_usage:
             yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -386,7 +388,7 @@ class OpenAIRoutes:
             calls[d.index] += d.calls
             logprobs[d.index].extend(self._chat_logprobs(d, req) or [])
             if d.finish_reason:
-                finish[d.index] = "tool_calls" if calls[d.index] else d.finish_reason
+                finish[d.index] = _finish(d.finish_reason, len(calls[d.index]))
         choices = []
         for i in sorted(texts):
             message = {"role": "assistant", "content": "".join(texts[i])}
@@ -545,3 +547,9 @@ class _CompletionChoice:
 
     def all_logprobs(self) -> dict | None:
         return self.all
+
+
+def _finish(engine_reason: str, num_calls: int) -> str:
+    """A choice that called tools finishes with tool_calls, unless the length limit cut it:
+    then its complete calls come back and `length` says the last one may be missing."""
+    return "tool_calls" if num_calls and engine_reason != "length" else engine_reason

@@ -8,7 +8,7 @@ responses, forgets a response (a later `previous_response_id` naming it is then 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -21,6 +21,7 @@ class StoredResponse:
     body: dict  # the response object, as returned
     messages: list[dict]  # the conversation through this response, as chat messages
     size: int
+    input_items: list[dict] = field(default_factory=list)  # GET .../input_items
 
 
 class ResponseStore:
@@ -31,13 +32,15 @@ class ResponseStore:
         self.items: OrderedDict[str, StoredResponse] = OrderedDict()
         self.chars = 0
 
-    def put(self, body: dict, messages: list[dict]) -> None:
+    def put(self, body: dict, messages: list[dict], input_items: list[dict] | None = None) -> None:
         # The echoed request (tools, instructions) can be most of it: count all of it.
-        size = len(msgspec.json.encode(body)) + len(msgspec.json.encode(messages))
+        input_items = input_items or []
+        size = len(msgspec.json.encode(body)) + len(msgspec.json.encode(messages)) + \
+            len(msgspec.json.encode(input_items))
         if size > self.max_chars:
             return  # larger than the whole store: not kept
         self.delete(body["id"])
-        self.items[body["id"]] = StoredResponse(body, messages, size)
+        self.items[body["id"]] = StoredResponse(body, messages, size, input_items)
         self.chars += size
         while len(self.items) > self.max_responses or self.chars > self.max_chars:
             _, dropped = self.items.popitem(last=False)

@@ -70,7 +70,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
     stream: bool | None = False
-    store: bool | None = False
+    store: bool | None = None  # None: the server's default (--responses-store-default)
     previous_response_id: str | None = None
     metadata: Annotated[dict[str, str], Meta(max_length=MAX_METADATA_PAIRS)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -108,6 +108,63 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     if not messages:
         raise RequestError("input holds no message", param="input")
     return messages
+
+
+_INPUT_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items_of(req: ResponsesRequest, prefix: str) -> list[dict]:
+    """`input` as GET /v1/responses/{id}/input_items lists it: items with ids, a message's
+    string content as a text part (input_text, or output_text for the assistant)."""
+    raw = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = []
+    for i, item in enumerate(raw):
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", f"{_INPUT_ITEM_PREFIX.get(kind, 'item')}_{prefix}{i:03d}")
+        items.append(item)
+    return items
+
+
+def list_page(items: list[dict], query) -> dict:
+    """One page of `items` as OpenAI's list endpoints give it, from the query parameters
+    `order` (asc or desc, default desc), `after` / `before` (an item id: the page starts after
+    it / ends before it, in that order) and `limit` (1 to 100, default 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestError("order must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise RequestError("limit must be an integer from 1 to 100", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    for param in ("after", "before"):
+        cursor = query.get(param)
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise RequestError(f"no input item {cursor!r}", param=param)
+        if param == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    window = ordered[start:end]
+    # Before a cursor the page is the items nearest to it; after one, the nearest too.
+    data = window[-limit:] if query.get("before") is not None and query.get("after") is None \
+        else window[:limit]
+    return {"object": "list", "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(data) < len(window)}
 
 
 def _add_item(messages: list[dict], item: Any, param: str) -> None:

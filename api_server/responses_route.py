@@ -29,7 +29,9 @@ from api_server.responses_protocol import (
     chat_tools,
     check_supported,
     describe_format,
+    input_items_of,
     input_messages,
+    list_page,
     output_messages,
     response_format,
     sampling_of,
@@ -61,14 +63,15 @@ class ResponsesRoute:
                 messages_param="input", tools=chat_tools(req.tools),
                 tool_choice=chat_tool_choice(req.tool_choice),
                 parallel_tool_calls=req.parallel_tool_calls is not False,
-                response_format=response_format(req),
+                response_format=response_format(req), response_format_param="text.format",
                 reasoning_tokens=reasoning.max_tokens if reasoning else None,
                 reasoning_share=effort_budget(reasoning.effort, "reasoning.effort")
                 if reasoning else None,
                 request_path="/v1/responses"))
         except RequestError as exc:
             return error_response(exc)
-        builder = _ResponseBuilder(routes.model_name, req, run)
+        store = routes.responses_store_default if req.store is None else req.store
+        builder = _ResponseBuilder(routes.model_name, req, run, store)
         if req.stream:
             return await routes.stream_events(self._events(run, builder, conversation),
                                               run.first)
@@ -90,6 +93,18 @@ class ResponsesRoute:
             return error_response(self._not_found(request))
         return json_response(stored.body)
 
+    async def input_items(self, request: Request) -> Response:
+        """GET /v1/responses/{id}/input_items: the stored request's input, paginated as
+        OpenAI's lists are (`after` / `before` item ids, `limit`, `order`, newest first)."""
+        stored = self.store.get(request.path_params["response_id"])
+        if stored is None:
+            return error_response(self._not_found(request))
+        try:
+            page = list_page(stored.input_items, request.query_params)
+        except RequestError as exc:
+            return error_response(exc)
+        return json_response(page)
+
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
         if not self.store.delete(response_id):
@@ -102,8 +117,9 @@ class ResponsesRoute:
                             param="response_id", status=404, code="response_not_found")
 
     def _keep(self, builder: _ResponseBuilder, conversation: list[dict], body: dict) -> None:
-        if builder.req.store:
-            self.store.put(body, conversation + output_messages(body["output"]))
+        if builder.store:
+            self.store.put(body, conversation + output_messages(body["output"]),
+                           input_items_of(builder.req, f"{builder.item_ids}in"))
 
     async def _body(self, run: ChatRun, builder: _ResponseBuilder,
                     conversation: list[dict]) -> dict:
@@ -149,9 +165,10 @@ class ResponsesRoute:
 class _ResponseBuilder:
     """The response object of one request, built up from the pipeline's deltas."""
 
-    def __init__(self, model: str, req: ResponsesRequest, run: ChatRun) -> None:
+    def __init__(self, model: str, req: ResponsesRequest, run: ChatRun, store: bool) -> None:
         self.model = model
         self.req = req
+        self.store = store
         self.id = f"resp_{run.request_id}"
         self.item_ids = f"{run.request_id[:24]}"
         self.created = int(time.time())
@@ -257,7 +274,7 @@ class _ResponseBuilder:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": reasoning.effort if reasoning else None, "summary": None},
-            "store": bool(req.store),
+            "store": self.store,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": describe_format(req),
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",

@@ -32,6 +32,21 @@ def validate_schema(schema: Any, param: str) -> str:
     return text
 
 
+def validate_grammar(lark: str, param: str) -> str:
+    """A Lark grammar built here (its %json rules hold request schemas), checked as schemas
+    are: RequestError naming `param` if llguidance rejects it."""
+    import llguidance
+
+    try:
+        grammar = grammar_for_json_schema(lark)
+    except ValueError as exc:
+        raise RequestError(f"invalid JSON schema: {exc}", param=param) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise RequestError(f"unsupported or invalid JSON schema: {messages[0]}", param=param)
+    return lark
+
+
 def schema_for_response_format(response_format) -> str | None:
     if response_format is None or response_format.type == "text":
         return None

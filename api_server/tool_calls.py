@@ -80,25 +80,103 @@ def _closed_values(mapping):
     return {k: _closed(v) for k, v in mapping.items()} if isinstance(mapping, dict) else mapping
 
 
-def _call_schema(tool: dict) -> dict:
-    fn = tool["function"]
-    params = _closed(fn.get("parameters") or {"type": "object"})
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+# Keys whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = ("const", "enum", "default", "examples", "example")
 
 
-def forced_call_schema(tools: list[dict], name: str | None) -> dict:
-    """The JSON every output must match: one call of `name`, or one or more calls of any tool."""
+def _rebased(schema, base: str):
+    """`schema` moved to the JSON pointer `base` of a larger schema: every local `$ref` ("#",
+    "#/$defs/X", "#/definitions/X", "#/properties/...") points where its target now is, so
+    nested models and recursive schemas keep resolving."""
+    if isinstance(schema, list):
+        return [_rebased(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = "#" + base + v[1:]
+        elif k in _DATA_KEYWORDS:
+            out[k] = v
+        else:
+            out[k] = _rebased(v, base)
+    return out
+
+
+def _tool_key(i: int) -> str:
+    return f"tool_{i}"
+
+
+def _call_schema(tool: dict, key: str, args_key: str = "arguments") -> dict:
+    """One call of `tool`: its arguments are a reference to its parameters, which the
+    combined schema holds under `$defs/key` (see `_tool_defs`)."""
+    return {"type": "object",
+            "properties": {"name": {"const": tool["function"]["name"]},
+                           args_key: {"$ref": f"#/$defs/{key}"}},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _tool_defs(tools: list[tuple[str, dict]]) -> dict:
+    """Each tool's parameter schema (closed, as OpenAI's strict mode) at the root's `$defs`,
+    with its own `$defs` / `definitions` and every `$ref` rebased: a schema is only valid at
+    the root it was written for, and a call nests it inside another object."""
+    return {key: _rebased(_closed(tool["function"].get("parameters") or {"type": "object"}),
+                          f"/$defs/{key}") for key, tool in tools}
+
+
+def forced_call_schema(tools: list[dict], name: str | None, max_calls: int | None = None,
+                       args_key: str = "arguments") -> dict:
+    """The JSON every output must match: one call of `name`, or one to `max_calls` calls
+    of any tool (a list that the model ends by closing it)."""
     if name is not None:
-        return _call_schema(next(t for t in tools if t["function"]["name"] == name))
-    return {"type": "array", "minItems": 1,
-            "items": {"anyOf": [_call_schema(t) for t in tools]}}
+        keyed = [(_tool_key(i), t) for i, t in enumerate(tools)
+                 if t["function"]["name"] == name][:1]
+        return {**_call_schema(keyed[0][1], keyed[0][0], args_key), "$defs": _tool_defs(keyed)}
+    keyed = [(_tool_key(i), t) for i, t in enumerate(tools)]
+    schema = {"type": "array", "minItems": 1,
+              "items": {"anyOf": [_call_schema(t, key, args_key) for key, t in keyed]},
+              "$defs": _tool_defs(keyed)}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
+
+
+def one_call_schema(tools: list[dict], args_key: str = "arguments") -> dict:
+    """One call of any of `tools` (a single object, not a list)."""
+    keyed = [(_tool_key(i), t) for i, t in enumerate(tools)]
+    return {"anyOf": [_call_schema(t, key, args_key) for key, t in keyed],
+            "$defs": _tool_defs(keyed)}
 
 
 def calls_from_json(text: str) -> list[ToolCall]:
     value = json.loads(text)
     items = value if isinstance(value, list) else [value]
     return [ToolCall(item["name"], json.dumps(item.get("arguments", {}))) for item in items]
+
+
+_decoder = json.JSONDecoder()
+
+
+def complete_calls(text: str) -> list[ToolCall]:
+    """The calls a forced call's output holds whole: all of them, or, when the length limit
+    (or a stop string) cut the list, those before the cut."""
+    text = text.strip()
+    try:
+        return calls_from_json(text)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        pass
+    if not text.startswith("["):
+        return []
+    calls: list[ToolCall] = []
+    at = 1
+    while True:
+        while at < len(text) and text[at] in " ,\n":
+            at += 1
+        try:
+            value, at = _decoder.raw_decode(text, at)
+            calls.append(ToolCall(value["name"], json.dumps(value.get("arguments", {}))))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return calls
 
 
 def tools_system_prompt(tools: list[dict]) -> str:
@@ -145,13 +223,14 @@ class ToolCallParser:
                 self.inside = False
         return "".join(content), done
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """End of output: an unclosed call is parsed if it is complete JSON, else shown."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """End of output: an unclosed call is parsed if it is complete JSON, else shown
+        (unless the length limit `cut` it: a partial call is not an answer)."""
         rest, self.buffer = self.buffer, ""
         if self.inside:
             self.inside = False
             calls = self._parse(rest)
-            return ("" if calls else OPEN + rest), calls
+            return ("" if calls or cut else OPEN + rest), calls
         return rest, []
 
     def _parse(self, body: str) -> list[ToolCall]:
@@ -171,7 +250,8 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ForcedCallCollector:
-    """tool_choice 'required' or named: the whole output is the (grammar-checked) call JSON."""
+    """tool_choice 'required' or named: the whole output is the (grammar-checked) call JSON.
+    Cut short, it still gives the calls completed before the cut, never the JSON as text."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -180,8 +260,5 @@ class ForcedCallCollector:
         self.text += delta
         return "", []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        try:
-            return "", calls_from_json(self.text)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return self.text, []  # cut short (max_tokens): show what there is
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        return "", complete_calls(self.text)

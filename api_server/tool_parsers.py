@@ -21,7 +21,14 @@ from typing import Any
 from api_server.reasoning import partial_suffix
 from api_server.tool_calls import CLOSE as HERMES_CLOSE
 from api_server.tool_calls import OPEN as HERMES_OPEN
-from api_server.tool_calls import ToolCall, ToolCallParser, tools_system_prompt
+from api_server.tool_calls import (
+    ToolCall,
+    ToolCallParser,
+    forced_call_schema,
+    one_call_schema,
+    tools_system_prompt,
+)
+from pipelines.grammar import JSON_GRAMMAR_OPTIONS
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 PYTHON_TAG = "<|python_tag|>"
@@ -107,7 +114,7 @@ class Llama3JsonParser:
             return "", []
         return self._take_calls(final=False)
 
-    def _take_calls(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _take_calls(self, final: bool, cut: bool = False) -> tuple[str, list[ToolCall]]:
         """Calls complete at the front of the buffer; the rest waits (or, at the end, is
         content). A complete JSON value that is not a call turns the rest into content."""
         calls: list[ToolCall] = []
@@ -122,7 +129,7 @@ class Llama3JsonParser:
                 if final:
                     self.state = "text"
                     out, self.buffer = self.buffer, ""
-                    return out, calls
+                    return ("" if cut else out), calls  # cut: a partial call, not text
                 return "", calls
             found = [call_from_value(v) for v in (value if isinstance(value, list) else [value])]
             if not found or not all(found):
@@ -132,9 +139,9 @@ class Llama3JsonParser:
             calls += found
             self.buffer = text[end:]
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         if self.state == "calls":
-            return self._take_calls(final=True)
+            return self._take_calls(final=True, cut=cut)
         out, self.buffer = self.buffer, ""
         return out, []
 
@@ -200,12 +207,13 @@ class MistralParser:
         call = call_from_value({"name": name, "arguments": args})
         return ([call], args_text[end:]) if call else (None, "")
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         content, calls = [], []
         while self.inside:
             found, rest = self._one(final=True)
             if found is None:
-                content.append(self.buffer)
+                if not cut:  # cut by the length limit: a partial call, not text
+                    content.append(self.buffer)
                 self.buffer, self.inside = "", False
                 break
             calls += found
@@ -258,3 +266,35 @@ def render_calls(name: str, calls: list[dict]) -> str:
                                           ensure_ascii=False)
     return "".join(HERMES_OPEN + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) +
                    HERMES_CLOSE for n, a in items)
+
+
+def _lark_json(schema: dict) -> str:
+    """A Lark `%json` rule body: the schema, compact JSON output as in a response format."""
+    return "%json " + json.dumps({"x-guidance": JSON_GRAMMAR_OPTIONS, **schema})
+
+
+def answer_or_calls_grammar(name: str, tools: list[dict], answer_schema: str,
+                            max_calls: int) -> str:
+    """tool_choice auto beside a response format, as OpenAI has it: the output is either an
+    answer in the format or tool calls written the model's way (one to `max_calls`), a Lark
+    grammar whose alternatives are the two."""
+    answer = _lark_json(json.loads(answer_schema))
+
+    def repeated(separator: str) -> str:  # one to max_calls calls (Lark has no {0,0})
+        if max_calls == 1:
+            return "call"
+        if not separator:
+            return f"call{{1,{max_calls}}}"
+        return f"call ({json.dumps(separator)} call){{0,{max_calls - 1}}}"
+
+    if name == "llama3_json":
+        calls = f'{repeated("; ")}\ncall: {_lark_json(one_call_schema(tools, "parameters"))}'
+    elif name == "mistral":
+        calls = f"{json.dumps(MISTRAL_CALLS)} " + _lark_json(
+            forced_call_schema(tools, None, max_calls))
+    else:
+        # Nothing between the calls: whatever is there would be content beside them.
+        calls = (f'{repeated("")}\n'
+                 f'call: {json.dumps(HERMES_OPEN)} "\\n"? {_lark_json(one_call_schema(tools))} '
+                 f'"\\n"? {json.dumps(HERMES_CLOSE)}')
+    return f"start: answer | calls\nanswer: {answer}\ncalls: {calls}\n"

@@ -101,6 +101,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    max_parallel_tool_calls: int = 8  # most calls one forced (parallel) tool call may hold
+    responses_store_default: bool = True  # /v1/responses `store` when a request leaves it out
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     media: MediaLimits = field(default_factory=MediaLimits)
     http: HttpLimits = field(default_factory=HttpLimits)

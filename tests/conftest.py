@@ -43,3 +43,15 @@ def gguf_oracle():
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                  dtype=torch.float32).eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def client_server(tiny_model_dir):
+    """One `loom serve` of the tiny model shared by the client-library tests
+    (tests/test_client_*.py): each drives it through a library's own public API."""
+    from tests.helpers import start_server
+
+    srv = start_server(tiny_model_dir, "--served-model-name", "tiny",
+                       "--max-parallel-tool-calls", "3")
+    yield srv
+    srv.stop()
