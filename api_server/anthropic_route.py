@@ -9,6 +9,7 @@ as Anthropic's events: `message_start`, per block `content_block_start` /
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import AsyncIterator
 
@@ -34,10 +35,15 @@ from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
 from api_server.protocol import RequestError, SamplingFields, decode_body
 
+# count_tokens renders, tokenizes and decodes images like a generation request but queues
+# nothing: this many at once, a 429 beyond (each holds a worker thread and image memory).
+COUNT_TOKENS_CONCURRENCY = 4
+
 
 class AnthropicRoute:
     def __init__(self, routes: OpenAIRoutes) -> None:
         self.routes = routes
+        self.counting = asyncio.Semaphore(COUNT_TOKENS_CONCURRENCY)
 
     def _job(self, req: CountTokensRequest, sampling: SamplingFields,
              max_tokens: int | None) -> ChatJob:
@@ -54,13 +60,18 @@ class AnthropicRoute:
         """The prompt tokens /v1/messages would run: the same rendering, nothing generated."""
         routes = self.routes
         try:
-            req = decode_body(await request.body(), CountTokensRequest)
-            routes.check_model(req.model)
-            routes._check_generates()
-            run = await prepare_chat(routes, self._job(req, SamplingFields(), None))
+            if self.counting.locked():
+                raise RequestError("too many token counts in progress; retry later",
+                                   status=429, code="too_many_requests")
+            async with self.counting:
+                req = decode_body(await request.body(), CountTokensRequest)
+                routes.check_model(req.model)
+                routes._check_generates()
+                run = await prepare_chat(routes, self._job(req, SamplingFields(), None))
+                input_tokens = run.prompt_tokens
         except RequestError as exc:
             return error_response(exc)
-        return json_response({"input_tokens": run.prompt_tokens})
+        return json_response({"input_tokens": input_tokens})
 
     async def create(self, request: Request) -> Response:
         routes = self.routes

@@ -117,16 +117,16 @@ async def prepare_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
         # No thought wanted: templates that can leave it out (Qwen3's switch) do so.
         options = {"enable_thinking": False, **(options or {})}
     request_id = uuid.uuid4().hex
-    contexts = []
     try:
-        for i in range(job.n):
-            contexts.append(await routes.tokenizer.new_context(TokenGeneratorRequest(
-                id=f"{request_id}-{i}", index=i, model_name=routes.model_name,
-                messages=messages, tools=rendered_tools, request_path=job.request_path,
-                timestamp_ns=time.time_ns(), chat_template_options=options,
-                logprobs=job.logprobs, response_format=response_format,
-                cache_salt=sampling.cache_salt,
-                sampling_params=routes._sampling_params(sampling, job.max_tokens, i))))
+        # Rendered, tokenized and its images decoded once; the other choices copy it.
+        contexts = await routes._contexts(lambda i: TokenGeneratorRequest(
+            id=f"{request_id}-{i}", index=i, model_name=routes.model_name,
+            messages=messages, tools=rendered_tools, request_path=job.request_path,
+            timestamp_ns=time.time_ns(), chat_template_options=options,
+            logprobs=job.logprobs, response_format=response_format,
+            cache_salt=sampling.cache_salt,
+            sampling_params=routes._sampling_params(sampling, job.max_tokens, i),
+        ), job.n, job.n, admit=False)
     except RequestError as exc:
         raise _renamed(exc, job) from None
     run = ChatRun(routes, job, contexts, sampling, mode, tools)

@@ -160,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest image file a request may send (after base64 decoding)")
     s.add_argument("--max-image-pixels", type=int, default=MediaLimits.max_image_pixels,
                    help="most pixels an image may have (checked before it is decoded)")
+    s.add_argument("--max-request-image-pixels", type=int,
+                   default=MediaLimits.max_request_image_pixels,
+                   help="most pixels the images of one request may have together (400 "
+                        "beyond; checked before any is decoded)")
+    s.add_argument("--max-image-pixels-in-flight", type=int,
+                   default=MediaLimits.max_image_pixels_in_flight,
+                   help="most image pixels the API process decodes or holds at once, all "
+                        "requests together (429 beyond)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health and "
                         "/live; the LOOM_API_KEY environment variable also sets it")
@@ -286,16 +294,20 @@ def media_limits_from_args(args: argparse.Namespace) -> MediaLimits:
     except (ValueError, TypeError, AttributeError):
         raise StartupError(f"--limit-mm-per-prompt {text}: not N, image=N or "
                            f"{{\"image\": N}}") from None
-    if limit < 0 or args.max_image_bytes < 1 or args.max_image_pixels < 1:
-        raise StartupError("--limit-mm-per-prompt must be >= 0, --max-image-bytes and "
-                           "--max-image-pixels positive")
+    if limit < 0 or min(args.max_image_bytes, args.max_image_pixels,
+                        args.max_request_image_pixels, args.max_image_pixels_in_flight) < 1:
+        raise StartupError("--limit-mm-per-prompt must be >= 0, --max-image-bytes and the "
+                           "--max-*image-pixels* limits positive")
     path = args.allowed_local_media_path
     if path is not None:
         path = os.path.abspath(os.path.expanduser(path))
         if not os.path.isdir(path):
             raise StartupError(f"--allowed-local-media-path {path}: no such directory")
     return MediaLimits(max_images=limit, max_image_bytes=args.max_image_bytes,
-                       max_image_pixels=args.max_image_pixels, allowed_local_media_path=path)
+                       max_image_pixels=args.max_image_pixels,
+                       max_request_image_pixels=args.max_request_image_pixels,
+                       max_image_pixels_in_flight=args.max_image_pixels_in_flight,
+                       allowed_local_media_path=path)
 
 
 def check_kv_events(args: argparse.Namespace) -> None:

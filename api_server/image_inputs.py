@@ -6,8 +6,10 @@ URLs are refused: the server fetches nothing from the network on a client's beha
 no waiting on a slow host with a request slot held), and its machines have no internet anyway.
 
 Limits, each a 400 naming the offending part (`messages[0].content[1]`): images per request
-(`--limit-mm-per-prompt`), bytes per image file, and pixels per image, checked from the header
-before the bitmap is decoded (a small PNG can unpack to gigabytes).
+(`--limit-mm-per-prompt`), bytes per image file, pixels per image and pixels per request, all
+checked from the headers before any bitmap is decoded (a small PNG can unpack to gigabytes);
+then the server's pixels in flight (api_server/image_budget.py), a 429 when they are full.
+A request's images are decoded once, whatever its `n`: its choices share the pixel arrays.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from api_server.image_budget import ImagePixelBudget, PixelReservation
 from api_server.protocol import RequestError
 from pipelines.config import MediaLimits
 
@@ -81,9 +84,28 @@ def _image_url(part: dict, param: str) -> str:
     return url
 
 
-def load_image(part: ImagePart, limits: MediaLimits) -> Any:
-    """The part's image as a decoded PIL image (blocking: run it off the event loop)."""
-    return decode_image(read_image_bytes(part, limits), part.param, limits)
+def load_images(parts: list[ImagePart], limits: MediaLimits, budget: ImagePixelBudget,
+                ) -> tuple[list[Any], PixelReservation]:
+    """A request's images decoded (blocking: run it off the event loop), once each read to
+    its header and counted: each image's pixels and the request's total (400), then the
+    server's pixels in flight (429). The reservation is the caller's to hold or release."""
+    opened = [open_image(read_image_bytes(part, limits), part.param, limits) for part in parts]
+    total = 0
+    for part, image in zip(parts, opened):
+        total += image.size[0] * image.size[1]
+        if total > limits.max_request_image_pixels:
+            raise RequestError(
+                f"the request's images hold more than {limits.max_request_image_pixels} pixels "
+                f"together (--max-request-image-pixels)", param=part.param,
+                code="limit_exceeded")
+    reservation = budget.reserve(total, parts[-1].param if parts else "messages")
+    try:
+        images = [decode_opened(image, part.param, limits) for part, image in zip(parts, opened)]
+    except BaseException:
+        reservation.release()
+        raise
+    budget.on_decoded(len(images))
+    return images, reservation
 
 
 def read_image_bytes(part: ImagePart, limits: MediaLimits) -> bytes:
@@ -159,9 +181,9 @@ def _too_large(param: str, limits: MediaLimits) -> RequestError:
                         param=param, code="limit_exceeded")
 
 
-def decode_image(data: bytes, param: str, limits: MediaLimits) -> Any:
-    """Decode as transformers' `load_image` does (EXIF orientation applied, RGB)."""
-    from PIL import Image, ImageOps
+def open_image(data: bytes, param: str, limits: MediaLimits) -> Any:
+    """The image with only its header read (Pillow decodes lazily), its pixels checked."""
+    from PIL import Image
 
     try:
         image = Image.open(io.BytesIO(data), formats=_FORMATS)
@@ -173,6 +195,13 @@ def decode_image(data: bytes, param: str, limits: MediaLimits) -> Any:
     width, height = image.size
     if width * height > limits.max_image_pixels:
         raise _too_many_pixels(param, limits)
+    return image
+
+
+def decode_opened(image: Any, param: str, limits: MediaLimits) -> Any:
+    """Decode as transformers' `load_image` does (EXIF orientation applied, RGB)."""
+    from PIL import Image, ImageOps
+
     try:
         image.load()
         image = ImageOps.exif_transpose(image)

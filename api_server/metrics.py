@@ -115,6 +115,11 @@ class Metrics:
         self.tool_call_schema_failures = counter(
             "tool_call_schema_failures", "Tool calls returned although their arguments do not "
             "validate against the tool's parameter schema (or name no tool of the request).")
+        self.images_decoded = counter(
+            "images_decoded", "Images decoded (each image of a request once, whatever its n).")
+        self.image_pixels_in_flight = gauge(
+            "image_pixels_in_flight", "Image pixels being decoded or held as pixel arrays by "
+            "requests (--max-image-pixels-in-flight bounds it).")
         self.request_success = Counter("loom:request_success", "Finished requests by reason.",
                                        ["model_name", "finished_reason"], registry=reg)
         self.http_requests = Counter("loom:http_requests", "HTTP requests by route and status.",
@@ -159,6 +164,11 @@ class Metrics:
     def observe_cache_config(self, block_size: int, num_blocks: int) -> None:
         """Prefix-cache scorers size their model of this replica's cache from these."""
         self._cache_config.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
+
+    def watch_images(self, budget) -> None:
+        """Report an ImagePixelBudget's decodes and pixels in flight."""
+        budget.on_decoded = self.images_decoded.inc
+        self.image_pixels_in_flight.set_function(lambda: budget.in_flight)
 
     # ---- scheduler stats ----------------------------------------------------------------------
     def observe_scheduler(self, stats: SchedulerStats) -> None:

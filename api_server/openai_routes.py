@@ -57,6 +57,7 @@ from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
 from pipelines.status import PipelineTask
+from pipelines.vision_context import TextAndVisionContext
 
 logger = logging.getLogger("loom.api")
 
@@ -98,6 +99,8 @@ class OpenAIRoutes:
         template = getattr(tokenizer.delegate, "chat_template", None)
         self.tool_call_parser = resolve_tool_call_parser(server.tool_call_parser, template)
         self.reasoning_parser = resolve_reasoning_parser(server.reasoning_parser, template)
+        if engine.metrics is not None:
+            engine.metrics.watch_images(tokenizer.image_budget)
         self.max_parallel_tool_calls = server.max_parallel_tool_calls
         self.responses_store_default = server.responses_store_default
 
@@ -214,9 +217,26 @@ class OpenAIRoutes:
                 code="too_many_sequences")
         self.state.check_queue_room(count)
 
-    async def _contexts(self, make_request: Callable[[int], TokenGeneratorRequest], count: int):
-        contexts = [await self.tokenizer.new_context(make_request(i)) for i in range(count)]
-        self.state.admit(contexts)
+    async def _contexts(self, make_request: Callable[[int], TokenGeneratorRequest], count: int,
+                        n: int = 1, admit: bool = True) -> list[TextContext]:
+        """The request's contexts, `n` choices per prompt, admitted as one unit. Each prompt
+        is rendered, tokenized and its images decoded once; its n choices are counted against
+        the queue before they are copied from the first (which shares its pixel arrays)."""
+        contexts: list[TextContext] = []
+        tokens = 0
+        for i in range(count):
+            if i % n:
+                contexts.append(self.tokenizer.choice_context(contexts[-1], make_request(i)))
+                continue
+            first = await self.tokenizer.new_context(make_request(i))
+            tokens += n * first.prompt_length
+            self.state.check_queue_room(count, tokens)
+            if n > 1 and isinstance(first, TextAndVisionContext):
+                self.tokenizer.image_budget.hold_copies(
+                    [image.pixel_values for image in first.images], n - 1, "n")
+            contexts.append(first)
+        if admit:
+            self.state.admit(contexts)
         return contexts
 
     # ---- /v1/completions --------------------------------------------------------------------
@@ -246,7 +266,7 @@ class OpenAIRoutes:
                 response_format=response_format,
                 sampling_params=self._sampling_params(req, max_tokens, i),
                 cache_salt=req.cache_salt,
-            ), len(prompts) * n)
+            ), len(prompts) * n, n)
         except RequestError as exc:
             return error_response(exc)
         streams = self._streams(contexts, req, n)

@@ -37,6 +37,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's own limit is 300
 MAX_TOOLS = 128
+MAX_MESSAGES = 4096  # of a chat conversation, as /v1/responses and /v1/messages cap theirs
 MAX_CACHE_SALT_CHARS = 256
 MAX_JSON_DEPTH = 64  # nesting of schemas, template variables, message parts
 
@@ -110,7 +111,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

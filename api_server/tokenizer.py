@@ -20,7 +20,8 @@ import msgspec
 import numpy as np
 
 from api_server.chat_template import TemplateSandbox
-from api_server.image_inputs import ImagePart, load_image, take_image_parts
+from api_server.image_budget import ImagePixelBudget
+from api_server.image_inputs import ImagePart, load_images, take_image_parts
 from api_server.protocol import RequestError, check_depth
 from api_server.vision_processor import VisionPrompt, load_vision_processor
 from pipelines.config import MediaLimits
@@ -61,7 +62,9 @@ class TextTokenizer:
     def __init__(self, model_dir: str, max_model_len: int, eos_token_ids: list[int],
                  media_limits: MediaLimits | None = None) -> None:
         # A vision model's processor brings its tokenizer: the one whose ids it expands.
-        self.vision = load_vision_processor(model_dir, media_limits or MediaLimits())
+        media_limits = media_limits or MediaLimits()
+        self.vision = load_vision_processor(model_dir, media_limits)
+        self.image_budget = ImagePixelBudget(media_limits.max_image_pixels_in_flight)
         self.delegate = self.vision.tokenizer if self.vision else load_hf_tokenizer(model_dir)
         if self.vision is not None and self.vision.chat_template:
             self.delegate.chat_template = self.vision.chat_template
@@ -173,10 +176,17 @@ class TextTokenizer:
 
     async def _vision_inputs(self, text: str, parts: list[ImagePart]) -> VisionPrompt:
         """Fetch and decode the images, then let the model's processor expand the prompt
-        (Pillow and the resizing release the GIL: off the event loop)."""
+        (Pillow and the resizing release the GIL: off the event loop). Their pixel arrays
+        count against the server's pixels in flight for as long as they live."""
         def work():
-            images = [load_image(part, self.vision.limits) for part in parts]
-            return self.vision.process(text, images)
+            images, reservation = load_images(parts, self.vision.limits, self.image_budget)
+            try:
+                prompt = self.vision.process(text, images)
+            except BaseException:
+                reservation.release()
+                raise
+            reservation.hold([image.pixel_values for image in prompt.images])
+            return prompt
 
         return await asyncio.to_thread(work)
 
@@ -239,6 +249,39 @@ class TextTokenizer:
             return TextAndVisionContext(**fields, vision_token_ids=self.vision.vision_token_ids,
                                         images=vision.images,
                                         extra_model_args=vision.extra_model_args)
+        return TextContext(**fields)
+
+    def choice_context(self, first: TextContext, request: TokenGeneratorRequest) -> TextContext:
+        """Another choice (n > 1) of `first`'s prompt: its tokens, and its images' pixel
+        arrays shared rather than decoded again; the request's own id and sampling."""
+        params = request.sampling_params
+        if first.json_schema is not None and params.ignore_eos:
+            params = msgspec.structs.replace(params, ignore_eos=False)  # (as new_context)
+        prompt_length = first.prompt_length
+        room = self.max_model_len - prompt_length
+        if params.max_new_tokens is not None and params.max_new_tokens > room:
+            raise RequestError(
+                f"max_tokens={params.max_new_tokens} plus the {prompt_length}-token prompt "
+                f"exceeds this model's context of {self.max_model_len} tokens",
+                param="max_tokens", code="context_length_exceeded")
+        fields = dict(
+            request_id=request.id,
+            max_length=prompt_length + (room if params.max_new_tokens is None
+                                        else params.max_new_tokens),
+            tokens=first.prompt_tokens,
+            eos_token_ids=set(first.eos_token_ids),
+            ignore_eos=params.ignore_eos,
+            sampling_params=params,
+            model_name=first.model_name,
+            log_probabilities=first.log_probabilities,
+            log_probabilities_echo=first.log_probabilities_echo,
+            json_schema=first.json_schema,
+            cache_salt=first.cache_salt,
+        )
+        if isinstance(first, TextAndVisionContext):
+            return TextAndVisionContext(**fields, vision_token_ids=first.vision_token_ids,
+                                        images=list(first.images),
+                                        extra_model_args=dict(first.extra_model_args))
         return TextContext(**fields)
 
 

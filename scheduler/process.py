@@ -20,11 +20,13 @@ import zmq
 
 from pipelines.config import BatchingConfig, KVCacheConfig
 from pipelines.status import PipelineTask
+from pipelines.vision_context import TextAndVisionContext
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
 from scheduler.fair_share import FairShare
 from scheduler.kv_events import AllBlocksCleared, KVEventPublisher
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.shared_images import SharedImages
 from scheduler.speech_queue import SpeechQueue
 from scheduler.step_source import SentStep, StepSource
 from scheduler.text_source import TextSource
@@ -92,6 +94,7 @@ class SchedulerLoop:
         # queued behind it), or one embeddings or speech step.
         self.inflight: deque[SentStep] = deque()
         self._last_stats = None
+        self.shared_images = SharedImages()
 
     # ---- start-up ---------------------------------------------------------------------------
     def open_kv_events(self) -> bool:
@@ -176,6 +179,8 @@ class SchedulerLoop:
             except zmq.Again:
                 break
             ctx = decode_or_drop(self.decode_request, frame, "requests")
+            if isinstance(ctx, TextAndVisionContext):
+                self.shared_images.share(ctx)
             source = next((s for s in self.sources if isinstance(ctx, s.context_type)), None)
             if source is not None:
                 source.add(ctx)

@@ -116,6 +116,30 @@ def test_one_request_may_not_exceed_the_queue_bounds_of_an_idle_server(server):
     assert_serving(server)
 
 
+def test_chat_messages_are_capped_like_the_other_apis(server):
+    r = post(server, CHAT, {"messages": MSG * 4097, "max_tokens": 1})
+    assert_refused(r, "messages", "limit_exceeded")
+    assert "4096" in r.json()["error"]["message"]
+    assert_serving(server)
+
+
+def test_the_n_choices_of_a_chat_are_admitted_as_one_request(server):
+    # A ~150-token prompt: 16 choices hold 2,400 prompt tokens, more than --max-queued-tokens
+    # (2000): refused as a whole, after one render (not 16); 8 choices fit, all of them served.
+    long_msg = [{"role": "user", "content": "count " * 140}]
+    r = post(server, CHAT, {"messages": long_msg, "n": 16, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens", r.text
+    r = post(server, CHAT, {"messages": long_msg, "n": 8, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(8))
+    texts = {c["message"]["content"] for c in body["choices"]}
+    assert len(texts) == 1 and body["usage"]["completion_tokens"] == 24  # greedy: the same
+    one = post(server, CHAT, {"messages": long_msg, "max_tokens": 3, "temperature": 0}).json()
+    assert texts == {one["choices"][0]["message"]["content"]}
+    assert body["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"] > 140
+
+
 def test_many_aborts_cost_linear_time():
     import numpy as np
 

@@ -8,13 +8,22 @@ seen again through previous_response_id. Every bad image is a 400 in the API's o
 shape naming the part in the API's own terms, and a text-only model refuses images on both.
 """
 
+import asyncio
 import base64
+import gc
 import io
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
+import httpx
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
+from api_server.image_budget import ImagePixelBudget
+from api_server.protocol import RequestError
+from bench.server_metrics import parse_series
 from tests.helpers import start_server
 from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, data_url
 from tests.tiny_idefics3 import make_tiny_idefics3
@@ -24,6 +33,9 @@ def png_base64(name: str) -> str:
     buf = io.BytesIO()
     IMAGES[name].save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+REQUEST_PIXELS = 9_000_000  # the test server's --max-request-image-pixels
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +50,7 @@ def server(smollm2_dir, tmp_path_factory, media_dir):
     vlm_dir = make_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3")), smollm2_dir)
     srv = start_server(vlm_dir, "--served-model-name", "vlm", "--max-num-batched-tokens", "16",
                        "--limit-mm-per-prompt", "2", "--allowed-local-media-path",
-                       str(media_dir))
+                       str(media_dir), "--max-request-image-pixels", str(REQUEST_PIXELS))
     yield srv
     assert srv.stop() == 0
 
@@ -251,3 +263,112 @@ def test_a_text_only_model_refuses_images_on_both_apis(tiny_model_dir):
         assert message.startswith("messages[0].content[0]: ") and "text only" in message
     finally:
         assert srv.stop() == 0
+
+
+# ---- admission: images counted before they are decoded, and decoded once (#26) ----------------
+
+def large_image_url(side: int, seed: int) -> str:
+    """A side x side PNG that unpacks to 3 bytes a pixel but compresses well (bands of
+    colour): the kind of small body that costs a server a lot to decode."""
+    rows = np.random.RandomState(seed).randint(0, 256, (side // 64, 1, 3), dtype=np.uint8)
+    pixels = np.repeat(np.repeat(rows, 64, axis=0), side, axis=1)
+    return chat_image(data_url(Image.fromarray(pixels)))["image_url"]["url"]
+
+
+def metric(server, name: str) -> float:
+    return sum(parse_series(httpx.get(server.url + "/metrics").text).get(name, {}).values())
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_n_choices_decode_their_images_once(server, openai_client):
+    # The probe of #26: n=8 choices of 2048 px images decoded each image once per choice
+    # (the API process grew by gigabytes). Now once per request, the choices sharing the
+    # pixel arrays, and an honest request beside it is served as usual.
+    images = [large_image_url(2048, 1), large_image_url(2048, 2)]
+    messages = [{"role": "user", "content": [chat_image(u) for u in images]
+                 + [chat_text_part(TEXT)]}]
+    honest = [{"role": "user", "content": [chat_image(data_url(IMAGES["wide"])),
+                                           chat_text_part(TEXT)]}]
+    expected = chat_text(openai_client, honest)
+    one = openai_client.chat.completions.create(model="vlm", messages=messages,
+                                                max_tokens=MAX_TOKENS, temperature=0)
+    decoded, rss = metric(server, "loom:images_decoded_total"), rss_mib(server.proc.pid)
+    with ThreadPoolExecutor(2) as pool:
+        many = pool.submit(openai_client.chat.completions.create, model="vlm",
+                           messages=messages, max_tokens=MAX_TOKENS, temperature=0, n=8)
+        beside = pool.submit(chat_text, openai_client, honest)
+        assert beside.result() == expected
+        many = many.result()
+    assert metric(server, "loom:images_decoded_total") - decoded == 2 + 1  # (+ the honest one)
+    assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 8
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    grown = rss_mib(server.proc.pid) - rss
+    print(f"API process RSS {rss:.0f} MiB, +{grown:.0f} MiB after n=8 x 2 images of 2048 px")
+    assert grown < 400
+    # Every array is freed with its request: nothing stays counted in flight.
+    assert metric(server, "loom:image_pixels_in_flight") == 0
+
+
+def test_images_over_the_request_pixel_budget_are_refused_before_decoding(server,
+                                                                          openai_client):
+    # Two 2,200 px squares: each within --max-image-pixels, together over the request's
+    # --max-request-image-pixels (9M): a 400 naming the image that crossed it, none decoded.
+    decoded = metric(server, "loom:images_decoded_total")
+    with pytest.raises(openai.BadRequestError) as exc:
+        openai_client.chat.completions.create(model="vlm", max_tokens=1, messages=[
+            {"role": "user", "content": [chat_image(large_image_url(2200, 3)),
+                                         chat_image(large_image_url(2200, 4))]}])
+    assert exc.value.body["param"] == "messages[0].content[1]"
+    assert exc.value.body["code"] == "limit_exceeded"
+    assert "--max-request-image-pixels" in exc.value.body["message"]
+    assert metric(server, "loom:images_decoded_total") == decoded
+
+
+def test_count_tokens_concurrency_is_bounded(server, anthropic_client):
+    # count_tokens decodes images like a generation request: at most a few at once, the
+    # rest refused with 429 (and nothing decoded for them); the answers stay right.
+    content = [{"type": "image", "source": {"type": "url", "url": large_image_url(2048, s)}}
+               for s in (5, 6)] + [{"type": "text", "text": "Compare them."}]
+    expected = anthropic_client.messages.count_tokens(
+        model="vlm", messages=[{"role": "user", "content": content}]).input_tokens
+    body = {"model": "vlm", "messages": [{"role": "user", "content": content}]}
+    decoded = metric(server, "loom:images_decoded_total")
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*[client.post("/v1/messages/count_tokens", json=body)
+                                          for _ in range(24)])
+
+    replies = asyncio.run(burst())
+    codes = [r.status_code for r in replies]
+    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 4, codes
+    assert all(r.json()["input_tokens"] == expected for r in replies if r.status_code == 200)
+    assert all(r.headers.get("retry-after") for r in replies if r.status_code == 429)
+    assert metric(server, "loom:images_decoded_total") - decoded == 2 * codes.count(200)
+
+
+def test_the_pixel_budget_is_held_until_the_arrays_are_freed():
+    budget = ImagePixelBudget(1000)
+    first = budget.reserve(800, "messages[0].content[0]")
+    with pytest.raises(RequestError) as exc:  # the server is busy: retry later
+        budget.reserve(300, "messages[0].content[0]")
+    assert exc.value.status == 429
+    with pytest.raises(RequestError) as exc:  # could never fit
+        budget.reserve(1001, "messages[0].content[1]")
+    assert exc.value.status == 400 and exc.value.param == "messages[0].content[1]"
+    # Decoded: the reservation becomes the pixel arrays' size (values / 3 channels), until
+    # the last array is freed.
+    arrays = [np.zeros((2, 3, 10, 10), np.float32), np.zeros((1, 3, 10, 10), np.float32)]
+    first.hold(arrays)
+    assert budget.in_flight == 300
+    shared = arrays[0]
+    del arrays
+    gc.collect()
+    assert budget.in_flight == 200
+    del shared
+    gc.collect()
+    assert budget.in_flight == 0
