@@ -7,7 +7,8 @@ could have written into it: it and its ancestors owned by this user or root (an 
 read-only cache is root's), it not writable by group or others, and no ancestor letting others
 rename it (writable by group or others without the sticky bit that /tmp has). Loom creates
 missing directories 0700; a file in a trusted directory is trusted if it, too, is owned by
-this user or root and writable by no one else.
+this user or root and writable by no one else. (worker/kernels/__init__.py applies the same
+rules to its libraries with its own copy: it imports nothing beyond the standard library.)
 """
 
 from __future__ import annotations
@@ -70,13 +71,6 @@ def directory_problem(path: str) -> str | None:
         if parent == current:
             return None
         current, first = parent, False
-
-
-def file_problem(st: os.stat_result) -> str | None:
-    """Why the regular file `st` describes could have been written by someone else, or None."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    return _owner_problem(st)
 
 
 def contents_problem(path: str) -> str | None:

@@ -6,8 +6,9 @@ target CPU. Without a compiler, callers fall back to the portable PyTorch path.
 A cached library is code this process will run, so it is only loaded from a directory nobody
 else can write into: loom creates its cache directories 0700, and refuses (with a warning) a
 library not owned by this user (or root), writable by group or others, or in a directory that
-group or others can write (pipelines/checkpoint/cache_dirs.py); it then builds a fresh copy in
-a private temporary directory. The library is checked through the file descriptor it is then
+group or others can write (the rules of pipelines/checkpoint/cache_dirs.py, kept here too: this
+module imports nothing beyond the standard library); it then builds a fresh copy in a private
+temporary directory. The library is checked through the file descriptor it is then
 loaded from (/proc/self/fd), so what runs is what was checked, whatever happens to its path.
 
 `LOOM_KERNEL_MARCH` (default `native`) is the `-march` the kernels are built for: an image
@@ -25,16 +26,10 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
-
-from pipelines.checkpoint.cache_dirs import (
-    cache_root,
-    directory_problem,
-    file_problem,
-    make_private_dirs,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +42,7 @@ _build_seconds = [0.0]
 _places: set[str] = set()  # the directories the loaded libraries came from
 _private_dir: list[str] = []
 _library_fds: list[int] = []  # the loaded libraries' descriptors (see _load_from)
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _warned: set[str] = set()
 
 # The CPU flags (as /proc/cpuinfo names them) each x86-64 micro-architecture level needs: a
@@ -59,7 +55,9 @@ _MARCH_FLAGS = {"x86-64": set(), "x86-64-v2": _X86_V2, "x86-64-v3": _X86_V3,
 
 
 def _cache_dir() -> str:
-    return os.path.join(cache_root(), "kernels")
+    base = os.environ.get("LOOM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loom")
+    return os.path.join(base, "kernels")
 
 
 def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -224,10 +222,10 @@ def _library_dir() -> str:
     it is writable); otherwise this process's private directory."""
     path = _cache_dir()
     try:
-        make_private_dirs(path)
+        _make_private_dirs(path)
     except OSError as exc:
         return _fall_back(path, f"cannot create it ({exc.strerror})")
-    problem = directory_problem(path)
+    problem = _directory_problem(path)
     if problem is not None:
         return _fall_back(path, problem)
     return path
@@ -237,6 +235,51 @@ def _fall_back(path: str, problem: str) -> str:
     _warn_once(f"dir:{path}", "not loading native kernels from %s: %s; building them in a "
                "private directory instead", path, problem)
     return _private_build_dir()
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create `path` and its missing parents 0700 (os.makedirs's mode covers only the last)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # another process made it meanwhile
+            pass
+
+
+def _directory_problem(path: str) -> str | None:
+    """Why code in `path` could have been written by someone else, or None. The directory
+    itself must not be writable by group or others; its ancestors must not let them rename it
+    (writable without the sticky bit, as /tmp has); all owned by us or root."""
+    current = os.path.realpath(path)
+    first = True
+    while True:
+        st = os.stat(current)
+        if st.st_uid not in (os.geteuid(), 0):
+            return f"{current} is owned by uid {st.st_uid}"
+        if st.st_mode & _OTHERS_WRITE and (first or not st.st_mode & stat.S_ISVTX):
+            return (f"{current} is writable by group or others (mode "
+                    f"{stat.S_IMODE(st.st_mode):o})")
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current, first = parent, False
+
+
+def _file_problem(st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & _OTHERS_WRITE:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 class _Untrusted(Exception):
@@ -254,7 +297,7 @@ def _open_trusted(path: str) -> int | None:
         if exc.errno == errno.ELOOP:
             raise _Untrusted("a symbolic link") from None
         raise
-    problem = file_problem(os.fstat(fd))
+    problem = _file_problem(os.fstat(fd))
     if problem is not None:
         os.close(fd)
         raise _Untrusted(problem)
