@@ -59,7 +59,7 @@ def test_a_slow_template_does_not_hold_up_others():
             slow = asyncio.ensure_future(render(sandbox, SLOW))
             await asyncio.sleep(0.3)
             text, seconds = await render(sandbox, ECHO + "!")
-            assert text == "hi!" and seconds < 1.5 and not slow.done()
+            assert text == "hi!" and seconds < 2.5 and not slow.done()
             second_slow = asyncio.ensure_future(render(sandbox, SLOW))
             await asyncio.sleep(0.3)
             busy, seconds = await render(sandbox, ECHO)
