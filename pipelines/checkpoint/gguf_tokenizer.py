@@ -63,7 +63,10 @@ def _is_built(target: str) -> bool:
     """Whether `target` holds a tokenizer that only this user (or root) could have written."""
     if not os.path.isfile(os.path.join(target, "tokenizer_config.json")):
         return False
-    return contents_problem(target) is None
+    try:
+        return contents_problem(target) is None
+    except OSError:  # (unreadable: not one this process can use either)
+        return False
 
 
 def _build_privately(gguf_path: str) -> str:
