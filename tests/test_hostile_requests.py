@@ -413,7 +413,7 @@ def test_slow_heads_are_closed_and_capped(server):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: loc")
             slow.append(s)
         started = time.monotonic()
-        assert open_sockets(server.proc.pid) <= 2048 + 32  # + the listener, ZeroMQ, ...
+        held, rss = open_sockets(server.proc.pid), rss_mib(server.proc.pid)
         r = httpx.get(server.url + "/v1/models", timeout=30)
         assert r.status_code == 200 and time.monotonic() - started < 10
         closed, deadline = set(), time.monotonic() + 30
@@ -429,8 +429,13 @@ def test_slow_heads_are_closed_and_capped(server):
                     pass
                 except OSError:
                     closed.add(i)
+            held = max(held, open_sockets(server.proc.pid))
             time.sleep(0.2)
         assert len(closed) == len(slow)
+        assert held <= 2048 + 32  # + the listener, ZeroMQ, ...
+        print(f"2,500 slow heads: at most {held} sockets held by the API process (RSS "
+              f"{rss:.0f} MiB), all closed {time.monotonic() - started:.1f} s after the last "
+              f"opened")
     finally:
         for s in slow:
             s.close()
