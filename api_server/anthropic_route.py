@@ -31,9 +31,10 @@ from api_server.anthropic_protocol import (
 from api_server.chat_pipeline import ChatDelta, ChatJob, ChatRun, prepare_chat, start_chat
 from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
+from api_server.off_loop import is_large, off_loop_if, parse_body
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
-from api_server.protocol import RequestError, SamplingFields, decode_body
+from api_server.protocol import RequestError, SamplingFields
 
 # count_tokens renders, tokenizes and decodes images like a generation request but queues
 # nothing: this many at once, a 429 beyond (each holds a worker thread and image memory).
@@ -46,7 +47,7 @@ class AnthropicRoute:
         self.counting = asyncio.Semaphore(COUNT_TOKENS_CONCURRENCY)
 
     def _job(self, req: CountTokensRequest, sampling: SamplingFields,
-             max_tokens: int | None) -> ChatJob:
+             max_tokens: int | None, large: bool = False) -> ChatJob:
         return ChatJob(messages=chat_messages(req), sampling=sampling, max_tokens=max_tokens,
                        tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
                        parallel_tool_calls=not (req.tool_choice or {}).get(
@@ -54,7 +55,7 @@ class AnthropicRoute:
                        response_format=response_format(req),
                        response_format_param="output_config.format",
                        reasoning_tokens=thinking_budget(req), reasoning_share=effort_share(req),
-                       request_path="/v1/messages")
+                       request_path="/v1/messages", large=large)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt tokens /v1/messages would run: the same rendering, nothing generated."""
@@ -64,10 +65,13 @@ class AnthropicRoute:
                 raise RequestError("too many token counts in progress; retry later",
                                    status=429, code="too_many_requests")
             async with self.counting:
-                req = decode_body(await request.body(), CountTokensRequest)
+                body = await request.body()
+                req = await parse_body(body, CountTokensRequest)
                 routes.check_model(req.model)
                 routes._check_generates()
-                run = await prepare_chat(routes, self._job(req, SamplingFields(), None))
+                large = is_large(body)
+                run = await prepare_chat(routes, await off_loop_if(
+                    large, self._job, req, SamplingFields(), None, large))
                 input_tokens = run.prompt_tokens
         except RequestError as exc:
             return error_response(exc)
@@ -76,12 +80,15 @@ class AnthropicRoute:
     async def create(self, request: Request) -> Response:
         routes = self.routes
         try:
-            req = decode_body(await request.body(), MessagesRequest)
+            body = await request.body()
+            req = await parse_body(body, MessagesRequest)
             routes.check_model(req.model)
             routes._check_generates()
             routes._check_engine()
             routes._check_sequences(1, "messages")
-            run = await start_chat(routes, self._job(req, sampling_of(req), req.max_tokens))
+            large = is_large(body)
+            run = await start_chat(routes, await off_loop_if(
+                large, self._job, req, sampling_of(req), req.max_tokens, large))
         except RequestError as exc:
             return error_response(exc)
         message = _MessageBuilder(routes.model_name, run)

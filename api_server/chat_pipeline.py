@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import msgspec
 
 from api_server.generation import ChoiceDelta, merge_choices, stream_choice
+from api_server.off_loop import OFF_LOOP, off_loop_if
 from api_server.protocol import RequestError, SamplingFields, check_depth
 from api_server.reasoning import CLOSE, NoReasoning, ThinkParser, opens_thinking
 from api_server.reasoning_budget import close_thinking, continue_after_thinking
@@ -55,6 +56,7 @@ class ChatJob:
     reasoning_share: float | None = None
     n: int = 1
     logprobs: int = 0
+    large: bool = False  # from a large body: its checks and conversions run off the loop
     request_path: str = "/v1/chat/completions"
 
 
@@ -81,9 +83,57 @@ def tool_mode(tools: list[dict], tool_choice) -> str:
     return "forced"
 
 
+@dataclass
+class _ChatPrompt:
+    """What a job renders: messages (tools taught in them or passed to the template)."""
+    tools: list[dict]
+    mode: str
+    messages: list[dict]
+    rendered_tools: list[dict] | None
+    response_format: dict | None
+    sampling: SamplingFields
+    options: dict | None
+
+
 async def prepare_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
     """Render and tokenize a job into its contexts (not yet admitted); RequestError if the
     request is invalid or does not fit the context."""
+    # Tools: their schemas compile to a grammar (llguidance), which can take a while.
+    prompt = await off_loop_if(job.large or bool(job.tools), _chat_prompt, routes, job)
+    tools, mode, messages = prompt.tools, prompt.mode, prompt.messages
+    rendered_tools, response_format = prompt.rendered_tools, prompt.response_format
+    sampling, options = prompt.sampling, prompt.options
+    request_id = uuid.uuid4().hex
+    try:
+        # Rendered, tokenized and its images decoded once; the other choices copy it.
+        contexts = await routes._contexts(lambda i: TokenGeneratorRequest(
+            id=f"{request_id}-{i}", index=i, model_name=routes.model_name,
+            messages=messages, tools=rendered_tools, request_path=job.request_path,
+            timestamp_ns=time.time_ns(), chat_template_options=options,
+            logprobs=job.logprobs, response_format=response_format,
+            cache_salt=sampling.cache_salt,
+            sampling_params=routes._sampling_params(sampling, job.max_tokens, i),
+        ), job.n, job.n, admit=False)
+    except RequestError as exc:
+        raise _renamed(exc, job) from None
+    run = ChatRun(routes, job, contexts, sampling, mode, tools)
+    run.request_id = request_id
+    run.thinking = routes.reasoning_parser is not None and opens_thinking(
+        routes.tokenizer.delegate.decode(contexts[0].prompt_tokens[-8:].tolist(),
+                                         skip_special_tokens=False))
+    if run.thinking and (response_format is not None or run.budget(contexts[0]) == 0):
+        # Without thinking: a grammar would constrain the thought too (constraining only the
+        # answer needs the worker to start the grammar at </think>), and a zero budget is no
+        # thought. Closing it in the prompt is what templates do when thinking is off.
+        closed = [close_thinking(routes.tokenizer, ctx, routes.max_model_len) for ctx in contexts]
+        if all(c is not None for c in closed):
+            run.contexts, run.thinking = closed, False
+    return run
+
+
+def _chat_prompt(routes: OpenAIRoutes, job: ChatJob) -> _ChatPrompt:
+    """The job's checks, its tools taught or passed, its grammar: all that walks what the
+    request holds."""
     check_depth(job.tools, "tools")
     tools, forced_name = check_tools(job.tools, job.tool_choice)
     mode = tool_mode(tools, job.tool_choice)
@@ -116,32 +166,7 @@ async def prepare_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
     if routes.reasoning_parser is not None and 0 in (job.reasoning_tokens, job.reasoning_share):
         # No thought wanted: templates that can leave it out (Qwen3's switch) do so.
         options = {"enable_thinking": False, **(options or {})}
-    request_id = uuid.uuid4().hex
-    try:
-        # Rendered, tokenized and its images decoded once; the other choices copy it.
-        contexts = await routes._contexts(lambda i: TokenGeneratorRequest(
-            id=f"{request_id}-{i}", index=i, model_name=routes.model_name,
-            messages=messages, tools=rendered_tools, request_path=job.request_path,
-            timestamp_ns=time.time_ns(), chat_template_options=options,
-            logprobs=job.logprobs, response_format=response_format,
-            cache_salt=sampling.cache_salt,
-            sampling_params=routes._sampling_params(sampling, job.max_tokens, i),
-        ), job.n, job.n, admit=False)
-    except RequestError as exc:
-        raise _renamed(exc, job) from None
-    run = ChatRun(routes, job, contexts, sampling, mode, tools)
-    run.request_id = request_id
-    run.thinking = routes.reasoning_parser is not None and opens_thinking(
-        routes.tokenizer.delegate.decode(contexts[0].prompt_tokens[-8:].tolist(),
-                                         skip_special_tokens=False))
-    if run.thinking and (response_format is not None or run.budget(contexts[0]) == 0):
-        # Without thinking: a grammar would constrain the thought too (constraining only the
-        # answer needs the worker to start the grammar at </think>), and a zero budget is no
-        # thought. Closing it in the prompt is what templates do when thinking is off.
-        closed = [close_thinking(routes.tokenizer, ctx, routes.max_model_len) for ctx in contexts]
-        if all(c is not None for c in closed):
-            run.contexts, run.thinking = closed, False
-    return run
+    return _ChatPrompt(tools, mode, messages, rendered_tools, response_format, sampling, options)
 
 
 async def start_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
@@ -244,7 +269,7 @@ class ChatRun:
         try:
             async for d in stream:
                 generated += d.token_ids
-                out = self._parse(d, thoughts, calls, counts)
+                out = await self._parse(d, thoughts, calls, counts)
                 out.prompt_tokens, out.completion_tokens = prompt_tokens, d.completion_tokens
                 over_budget = (not d.finish_reason and budget is not None
                                and thoughts.in_reasoning and counts["reasoning"] >= budget)
@@ -260,9 +285,9 @@ class ChatRun:
         # The thought reached its budget: end it the way the model would, then go on.
         offset = len(generated)
         following = continue_after_thinking(self.routes.tokenizer, ctx, generated)
-        forced = self._parse(ChoiceDelta(index, CLOSE, []), thoughts, calls, counts)
+        forced = await self._parse(ChoiceDelta(index, CLOSE, []), thoughts, calls, counts)
         if following is None:  # no room left for the answer
-            end = self._parse(ChoiceDelta(index, "", [], "length"), thoughts, calls, counts)
+            end = await self._parse(ChoiceDelta(index, "", [], "length"), thoughts, calls, counts)
             forced.finish_reason, forced.made_calls = end.finish_reason, end.made_calls
         forced.prompt_tokens, forced.completion_tokens = prompt_tokens, offset
         yield forced
@@ -275,7 +300,7 @@ class ChatRun:
                                self._time_left())
         try:
             async for d in stream:
-                out = self._parse(d, thoughts, calls, counts)
+                out = await self._parse(d, thoughts, calls, counts)
                 out.prompt_tokens = prompt_tokens
                 out.completion_tokens = offset + d.completion_tokens
                 yield out
@@ -284,7 +309,7 @@ class ChatRun:
         finally:
             await stream.aclose()
 
-    def _parse(self, d: ChoiceDelta, thoughts, calls, counts: dict) -> ChatDelta:
+    async def _parse(self, d: ChoiceDelta, thoughts, calls, counts: dict) -> ChatDelta:
         if thoughts.in_reasoning:
             counts["reasoning"] += len(d.token_ids)
         reasoning, content = thoughts.push(d.text)
@@ -300,12 +325,20 @@ class ChatRun:
                 content, found = content + text + rest, found + more_calls + last
             else:
                 content += more
-        for call in found:
-            self.checker.check(call)
+        if found:
+            await self._check(found)
         counts["calls"] += len(found)
         return ChatDelta(d.index, reasoning, content, found, d.finish_reason,
                          bool(counts["calls"]), d.stop_sequence,
                          reasoning_tokens=counts["reasoning"], logprobs=d.logprobs)
+
+    async def _check(self, calls: list[ToolCall]) -> None:
+        """Check the calls against their schemas (for metrics), off the event loop: request
+        schemas can make the check slow."""
+        try:
+            await OFF_LOOP.run(lambda: [self.checker.check(call) for call in calls])
+        except RequestError:  # the queue is full: no verdict
+            pass
 
     def _time_left(self) -> float | None:
         timeout = self.routes.request_timeout

@@ -35,6 +35,7 @@ from api_server.logprobs_format import (
     chat_logprob_entries,
     token_id_text,
 )
+from api_server.off_loop import is_large, off_loop_if, parse_body
 from api_server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -43,7 +44,6 @@ from api_server.protocol import (
     SamplingFields,
     check_depth,
     check_top_k,
-    decode_body,
     prompts_of,
 )
 from api_server.reasoning import effort_budget, resolve_reasoning_parser
@@ -242,13 +242,14 @@ class OpenAIRoutes:
     # ---- /v1/completions --------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         try:
-            req = decode_body(await request.body(), CompletionRequest)
+            body = await request.body()
+            req = await parse_body(body, CompletionRequest)
             self.check_model(req.model)
             self._check_generates()
             if req.suffix:
                 raise RequestError("suffix is not supported", param="suffix")
             self._check_engine()
-            prompts = prompts_of(req)
+            prompts = await off_loop_if(is_large(body), prompts_of, req)
             self._check_sequences(len(prompts) * req.n, "n" if req.n > 1 else "prompt")
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
             if max_tokens == 0 and not req.echo:
@@ -313,7 +314,8 @@ class OpenAIRoutes:
     # ---- /v1/chat/completions ---------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         try:
-            req = decode_body(await request.body(), ChatCompletionRequest)
+            body = await request.body()
+            req = await parse_body(body, ChatCompletionRequest)
             self.check_model(req.model)
             self._check_generates()
             if not req.messages:
@@ -326,24 +328,32 @@ class OpenAIRoutes:
             if max_tokens == 0:
                 raise RequestError("max_tokens must be at least 1", param="max_tokens")
             self._check_sequences(req.n, "n")
-            options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
-                                       self.trust_request_chat_template)
-            run = await start_chat(self, ChatJob(
-                messages=chat_messages(req.messages), sampling=req, max_tokens=max_tokens,
-                max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None
-                else "max_tokens",
-                tools=req.tools, tool_choice=req.tool_choice,
-                parallel_tool_calls=req.parallel_tool_calls is not False,
-                response_format=self._response_format(req), template_options=options,
-                reasoning_tokens=req.max_reasoning_tokens,
-                reasoning_share=effort_budget(req.reasoning_effort, "reasoning_effort"),
-                n=req.n, logprobs=max(1, req.top_logprobs or 0) if req.logprobs else 0))
+            large = is_large(body)
+            run = await start_chat(self, await off_loop_if(large, self._chat_job, req,
+                                                            max_tokens, large))
         except RequestError as exc:
             return error_response(exc)
         response_id = f"chatcmpl-{run.request_id}"
         if req.stream:
             return await self._sse(self._chat_chunks(response_id, run.deltas(), req), run.first)
         return await self._collect(request, self._chat_body(response_id, run.deltas(), req))
+
+    def _chat_job(self, req: ChatCompletionRequest, max_tokens: int | None,
+                  large: bool) -> ChatJob:
+        """The request as a chat job (walking all it holds: off the loop when it is large)."""
+        options = template_options(req.chat_template_kwargs, req.add_generation_prompt,
+                                   self.trust_request_chat_template)
+        return ChatJob(
+            messages=chat_messages(req.messages), sampling=req, max_tokens=max_tokens,
+            max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None
+            else "max_tokens",
+            tools=req.tools, tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            response_format=self._response_format(req), template_options=options,
+            reasoning_tokens=req.max_reasoning_tokens,
+            reasoning_share=effort_budget(req.reasoning_effort, "reasoning_effort"),
+            n=req.n, logprobs=max(1, req.top_logprobs or 0) if req.logprobs else 0,
+            large=large)
 
     def _chat_logprobs(self, d: ChatDelta, req: ChatCompletionRequest) -> list[dict] | None:
         if not req.logprobs or d.logprobs is None:

@@ -12,15 +12,17 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from api_server.chat_pipeline import ChatJob, ChatRun, start_chat
 from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
+from api_server.off_loop import check_json_shape, is_large, off_loop_if, parse_body
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
-from api_server.protocol import RequestError, decode_body
+from api_server.protocol import RequestError
 from api_server.reasoning import effort_budget
 from api_server.response_store import ResponseStore
 from api_server.responses_protocol import (
@@ -48,26 +50,17 @@ class ResponsesRoute:
     async def create(self, request: Request) -> Response:
         routes = self.routes
         try:
-            req = decode_body(await request.body(), ResponsesRequest)
+            body = await request.body()
+            req = await parse_body(body, ResponsesRequest)
             routes.check_model(req.model)
             routes._check_generates()
             check_supported(req)
             routes._check_engine()
             routes._check_sequences(1, "input")
-            conversation = self._history(req) + input_messages(req)
-            system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-            reasoning = req.reasoning
-            run = await start_chat(routes, ChatJob(
-                messages=system + conversation, sampling=sampling_of(req),
-                max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
-                messages_param="input", tools=chat_tools(req.tools),
-                tool_choice=chat_tool_choice(req.tool_choice),
-                parallel_tool_calls=req.parallel_tool_calls is not False,
-                response_format=response_format(req), response_format_param="text.format",
-                reasoning_tokens=reasoning.max_tokens if reasoning else None,
-                reasoning_share=effort_budget(reasoning.effort, "reasoning.effort")
-                if reasoning else None,
-                request_path="/v1/responses"))
+            history = self._stored_history(req)
+            large = is_large(body) or is_large(history)
+            conversation, job = await off_loop_if(large, self._job, req, history, large)
+            run = await start_chat(routes, job)
         except RequestError as exc:
             return error_response(exc)
         store = routes.responses_store_default if req.store is None else req.store
@@ -77,21 +70,43 @@ class ResponsesRoute:
                                               run.first)
         return await routes._collect(request, self._body(run, builder, conversation))
 
-    def _history(self, req: ResponsesRequest) -> list[dict]:
+    def _job(self, req: ResponsesRequest, history: bytes, large: bool,
+             ) -> tuple[list[dict], ChatJob]:
+        """The conversation and its chat job (walking all the request and the stored history
+        hold: off the loop when they are large)."""
+        if is_large(history):  # refused as the same conversation sent whole would be
+            check_json_shape(history)
+        conversation = msgspec.json.decode(history) + input_messages(req)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        reasoning = req.reasoning
+        return conversation, ChatJob(
+            messages=system + conversation, sampling=sampling_of(req),
+            max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
+            messages_param="input", tools=chat_tools(req.tools),
+            tool_choice=chat_tool_choice(req.tool_choice),
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            response_format=response_format(req), response_format_param="text.format",
+            reasoning_tokens=reasoning.max_tokens if reasoning else None,
+            reasoning_share=effort_budget(reasoning.effort, "reasoning.effort")
+            if reasoning else None,
+            request_path="/v1/responses", large=large)
+
+    def _stored_history(self, req: ResponsesRequest) -> bytes:
+        """The conversation through `previous_response_id`, as the JSON the store keeps."""
         if req.previous_response_id is None:
-            return []
+            return b"[]"
         stored = self.store.get(req.previous_response_id)
         if stored is None:
             raise RequestError(f"no stored response {req.previous_response_id!r} (responses "
                                f"are kept only when created with store: true, and in memory)",
                                param="previous_response_id", code="response_not_found")
-        return list(stored.messages)
+        return stored.messages_json
 
     async def get(self, request: Request) -> Response:
         stored = self.store.get(request.path_params["response_id"])
         if stored is None:
             return error_response(self._not_found(request))
-        return json_response(stored.body)
+        return Response(stored.body_json, media_type="application/json")  # as stored
 
     async def input_items(self, request: Request) -> Response:
         """GET /v1/responses/{id}/input_items: the stored request's input, paginated as

@@ -22,6 +22,7 @@ import numpy as np
 from api_server.chat_template import TemplateSandbox
 from api_server.image_budget import ImagePixelBudget
 from api_server.image_inputs import ImagePart, load_images, take_image_parts
+from api_server.off_loop import OFF_LOOP
 from api_server.protocol import RequestError, check_depth
 from api_server.vision_processor import VisionPrompt, load_vision_processor
 from pipelines.config import MediaLimits
@@ -114,8 +115,8 @@ class TextTokenizer:
     async def encode(self, prompt: str, add_special_tokens: bool = False) -> np.ndarray:
         self.check_prompt_chars(len(prompt), "prompt")
         if len(prompt) > INLINE_TOKENIZE_CHARS:  # ~10+ ms: not on the event loop
-            ids = await asyncio.to_thread(self.delegate.encode, prompt,
-                                          add_special_tokens=add_special_tokens)
+            ids = await OFF_LOOP.run(self.delegate.encode, prompt,
+                                     add_special_tokens=add_special_tokens)
         else:
             ids = self.delegate.encode(prompt, add_special_tokens=add_special_tokens)
         return np.asarray(ids, dtype=np.int64)
@@ -155,8 +156,8 @@ class TextTokenizer:
         in the sandbox process."""
         options = dict(options or {})
         template = options.pop("chat_template", None)
-        if template is None:
-            return self.render_chat(messages, tools=tools, **options)
+        if template is None:  # (Jinja: milliseconds per request, seconds for large ones)
+            return await OFF_LOOP.run(self.render_chat, messages, tools=tools, **options)
         if self.request_templates is None:
             raise RequestError("this server does not render chat templates sent in requests",
                                param="chat_template_kwargs.chat_template")
