@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
+from api_server.off_loop import parse_body
 from api_server.openai_routes import OpenAIRoutes, error_response, json_response
-from api_server.protocol import RequestError, decode_body
+from api_server.protocol import RequestError
 from api_server.tokenizer import INLINE_TOKENIZE_CHARS
 from pipelines.embeddings import EmbeddingsContext
 
@@ -43,7 +44,7 @@ class EmbeddingsRoute:
 
     async def create(self, request: Request) -> Response:
         try:
-            req = decode_body(await request.body(), EmbeddingRequest)
+            req = await parse_body(await request.body(), EmbeddingRequest)
             self.routes.check_model(req.model)
             if not self.serves_embeddings:
                 raise RequestError(f"the model `{self.routes.model_name}` generates text; serve "

@@ -9,8 +9,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api_server.chat_template import template_options
+from api_server.off_loop import parse_body
 from api_server.openai_routes import OpenAIRoutes, chat_messages, error_response, json_response
-from api_server.protocol import ChatMessage, RequestError, decode_body
+from api_server.protocol import ChatMessage, RequestError
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -45,7 +46,7 @@ class ExtraRoutes:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            req = decode_body(await request.body(), TokenizeRequest)
+            req = await parse_body(await request.body(), TokenizeRequest)
             self.routes.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise RequestError("give exactly one of prompt or messages", param="prompt")
@@ -66,7 +67,7 @@ class ExtraRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            req = decode_body(await request.body(), DetokenizeRequest)
+            req = await parse_body(await request.body(), DetokenizeRequest)
             self.routes.check_model(req.model)
             if len(req.tokens) > 4 * self.routes.max_model_len:
                 raise RequestError(f"at most {4 * self.routes.max_model_len} tokens",

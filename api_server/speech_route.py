@@ -22,8 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
+from api_server.off_loop import parse_body
 from api_server.openai_routes import error_response
-from api_server.protocol import RequestError, decode_body
+from api_server.protocol import RequestError
 from api_server.server_state import ServerState
 from api_server.speech_text import MAX_INPUT_CHARS, text_to_segments
 from pipelines.tts_context import TTSContext
@@ -73,7 +74,7 @@ class SpeechRoute:
 
     async def create(self, request: Request) -> Response:
         try:
-            req = decode_body(await request.body(), SpeechRequest)
+            req = await parse_body(await request.body(), SpeechRequest)
             ctx = self._context(req)
             self.state.admit([ctx])
         except RequestError as exc:
