@@ -180,7 +180,8 @@ class ResponsesRoute:
 class _ResponseBuilder:
     """The response object of one request, built up from the pipeline's deltas."""
 
-    def __init__(self, model: str, req: ResponsesRequest, run: ChatRun, store: bool) -> None:
+    def __init__(self, model: str, req: ResponsesRequest, run: ChatRun,
+                 store: bool = False) -> None:
         self.model = model
         self.req = req
         self.store = store

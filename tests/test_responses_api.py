@@ -139,7 +139,8 @@ def test_stored_responses_continue(client, server):
                       {"role": "assistant", "content": first.output_text},
                       {"role": "user", "content": "And then?"}], max_tokens=6)
     assert second.output_text == c.choices[0].message.content
-    unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2)
+    unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2,
+                                       store=False)  # (the default: stored)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
     with pytest.raises(openai.BadRequestError) as exc:
