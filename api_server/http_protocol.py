@@ -9,12 +9,19 @@ buffers without limit, and a connection that never finishes its head is held for
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import resource
+
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pipelines.config import HttpLimits
 
+logger = logging.getLogger("loom")
 _json = msgspec.json.Encoder()
+# Descriptors the API process needs besides its connections: ZeroMQ, files, the tokenizer's.
+_RESERVED_FDS = 256
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
             503: b"Service Unavailable"}
 
@@ -149,3 +156,24 @@ def bounded_http_protocol(limits: HttpLimits) -> type[BoundedHttpToolsProtocol]:
     """The protocol class for uvicorn.Config(http=...), with its own connection table."""
     return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,),
                 {"limits": limits, "table": ConnectionTable()})
+
+
+def fit_descriptor_limit(limits: HttpLimits) -> HttpLimits:
+    """Raise the soft open-files limit so that --max-connections can be reached (1,024 is a
+    common default: slow clients would exhaust it and block every accept first, and the cap,
+    which closes an idle connection for a new one, would never act); lower the cap to what
+    the hard limit allows."""
+    want = limits.max_connections + _RESERVED_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        if hard != resource.RLIM_INFINITY:
+            want = min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        soft = want
+    if soft == resource.RLIM_INFINITY or soft >= limits.max_connections + _RESERVED_FDS:
+        return limits
+    fitted = max(1, soft - _RESERVED_FDS)
+    logger.warning("--max-connections %d lowered to %d: the open-files limit is %d (raise "
+                   "`ulimit -n`)", limits.max_connections, fitted, soft)
+    return dataclasses.replace(limits, max_connections=fitted)
+

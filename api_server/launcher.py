@@ -25,7 +25,7 @@ import uvicorn
 from api_server.app import build_app
 from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient, EngineDeadError
-from api_server.http_protocol import bounded_http_protocol
+from api_server.http_protocol import bounded_http_protocol, fit_descriptor_limit
 from api_server.metrics import Metrics
 from api_server.openai_routes import OpenAIRoutes
 from api_server.server_state import ServerState
@@ -241,7 +241,7 @@ class Launcher:
         server = _Server(uvicorn.Config(
             app, log_level=server_cfg.log_level, access_log=server_cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
-            http=bounded_http_protocol(server_cfg.http),
+            http=bounded_http_protocol(fit_descriptor_limit(server_cfg.http)),
         ))
         tasks = []
         server.on_stop = lambda: tasks.append(asyncio.ensure_future(

@@ -445,6 +445,34 @@ def test_slow_heads_are_closed_and_capped(server):
     assert_serving(server)
 
 
+FIT_LIMITS = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, int(sys.argv[1])))
+from api_server.http_protocol import fit_descriptor_limit
+from pipelines.config import HttpLimits
+print(fit_descriptor_limit(HttpLimits(max_connections=2048)).max_connections,
+      resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.parametrize("hard,expected", [(2304, "2048 2304"), (1024, "768 1024")])
+def test_connection_cap_fits_the_open_files_limit(hard, expected):
+    """At the usual soft limit (1,024 files) slow clients would exhaust the descriptors, and
+    block every accept, before --max-connections could close one of them: the server raises
+    the soft limit, or lowers the cap to what the hard limit allows."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:  # (only root raises it)
+        pytest.skip(f"the hard open-files limit is below {hard}")
+    out = subprocess.run([sys.executable, "-c", FIT_LIMITS, str(hard)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.split() == expected.split(), out.stderr
+
+
 # ---- what a web page may not send: DNS-rebound Host, other origins, text/plain JSON (#26) ------
 def post_raw(server, path, body=b'{"prompt": "hi", "max_tokens": 2, "temperature": 0}',
              headers=None):
