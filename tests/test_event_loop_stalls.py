@@ -245,14 +245,15 @@ def test_tool_call_pattern_checks_share_one_budget_per_request():
     from api_server.tool_calls import ToolCall
     from api_server.tool_validation import PATTERN_BUDGET_S, ToolCallChecker
 
-    # Each search matches, after backtracking for 5-45 ms (under the 50 ms cap of one).
+    # Each search matches, after backtracking for a few ms (well under the 50 ms cap of one,
+    # so that it is the budget that ends the check, not a search that gave up).
     pattern = "^(a|a)+$|^a*!$"
     regex.search(pattern, "")  # compiled
     length = 12
     while True:
         started = time.perf_counter()
         regex.search(pattern, "a" * length + "!")
-        if time.perf_counter() - started > 0.005 or length > 40:
+        if time.perf_counter() - started > 0.002 or length > 40:
             break
         length += 1
     item = {"type": "object", "properties": {
@@ -263,6 +264,6 @@ def test_tool_call_pattern_checks_share_one_budget_per_request():
     call = ToolCall("f", json.dumps({"items": [{f"p{j}": "a" * length + "!"
                                                 for j in range(20)}] * 25}))
     started = time.perf_counter()
-    for _ in range(4):  # 4 calls of 500 matching searches: 10 s or more, unbudgeted
-        assert checker.check(call)
+    for _ in range(4):  # 4 calls of 500 matching searches: 4 s or more, unbudgeted
+        checker.check(call)
     assert time.perf_counter() - started < PATTERN_BUDGET_S + 1.5
