@@ -23,7 +23,13 @@ from api_server.protocol import RequestError, SamplingFields, check_depth
 from api_server.reasoning import CLOSE, NoReasoning, ThinkParser, opens_thinking
 from api_server.reasoning_budget import close_thinking, continue_after_thinking
 from api_server.structured import validate_grammar, validate_schema
-from api_server.tool_calls import ForcedCallCollector, ToolCall, check_tools, forced_call_schema
+from api_server.tool_calls import (
+    CallDelta,
+    ForcedCallCollector,
+    ToolCall,
+    check_tools,
+    forced_call_schema,
+)
 from api_server.tool_parsers import (
     answer_or_calls_grammar,
     format_instructions,
@@ -73,6 +79,8 @@ class ChatDelta:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     logprobs: list | None = None  # the engine delta's, for chat's logprobs
+    # Pieces of the arguments of calls being written (forced calls), for chat's stream.
+    call_deltas: list[CallDelta] = field(default_factory=list)
 
 
 def tool_mode(tools: list[dict], tool_choice) -> str:
@@ -328,9 +336,11 @@ class ChatRun:
         if found:
             await self._check(found)
         counts["calls"] += len(found)
+        pieces = calls.progress() if isinstance(calls, ForcedCallCollector) else []
         return ChatDelta(d.index, reasoning, content, found, d.finish_reason,
                          bool(counts["calls"]), d.stop_sequence,
-                         reasoning_tokens=counts["reasoning"], logprobs=d.logprobs)
+                         reasoning_tokens=counts["reasoning"], logprobs=d.logprobs,
+                         call_deltas=pieces)
 
     async def _check(self, calls: list[ToolCall]) -> None:
         """Check the calls against their schemas (for metrics), off the event loop: request

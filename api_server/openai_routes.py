@@ -374,16 +374,23 @@ class OpenAIRoutes:
                                  "logprobs": None if logprobs is None else {"content": logprobs},
                                  "finish_reason": finish}]}
 
-        def call_chunks(index: int, calls: list[ToolCall]):
-            # As OpenAI streams them: id, type and name first, then the arguments.
-            for call in calls:
-                k = num_calls[index]
-                num_calls[index] += 1
-                yield chunk(index, {"tool_calls": [{"index": k, "id": call.id, "type": "function",
-                                                    "function": {"name": call.name,
-                                                                 "arguments": ""}}]}, None)
-                yield chunk(index, {"tool_calls": [{"index": k, "function": {
-                    "arguments": call.arguments}}]}, None)
+        opened: dict[str, int] = {}  # call id -> its index in the choice's tool_calls
+
+        def call_chunks(index: int, d: ChatDelta):
+            # As OpenAI streams them: id, type and name first, then the arguments, in pieces
+            # as they are written where the parser can tell (forced calls), else whole.
+            streamed = {p.call.id for p in d.call_deltas} | opened.keys()
+            pieces = [(p.call, p.arguments) for p in d.call_deltas] + \
+                [(c, c.arguments) for c in d.calls if c.id not in streamed]
+            for call, arguments in pieces:
+                if call.id not in opened:
+                    opened[call.id] = num_calls[index]
+                    num_calls[index] += 1
+                    yield chunk(index, {"tool_calls": [{
+                        "index": opened[call.id], "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}]}, None)
+                yield chunk(index, {"tool_calls": [{"index": opened[call.id], "function": {
+                    "arguments": arguments}}]}, None)
 
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""}, None)
@@ -394,7 +401,7 @@ class OpenAIRoutes:
                 yield chunk(d.index, {"reasoning_content": d.reasoning}, None)
             if d.content or logprobs:
                 yield chunk(d.index, {"content": d.content}, None, logprobs)
-            for c in call_chunks(d.index, d.calls):
+            for c in call_chunks(d.index, d):
                 yield c
             if d.finish_reason:
                 finish = _finish(d.finish_reason, num_calls[d.index])

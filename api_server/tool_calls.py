@@ -154,31 +154,6 @@ def calls_from_json(text: str) -> list[ToolCall]:
     return [ToolCall(item["name"], json.dumps(item.get("arguments", {}))) for item in items]
 
 
-_decoder = json.JSONDecoder()
-
-
-def complete_calls(text: str) -> list[ToolCall]:
-    """The calls a forced call's output holds whole: all of them, or, when the length limit
-    (or a stop string) cut the list, those before the cut."""
-    text = text.strip()
-    try:
-        return calls_from_json(text)
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        pass
-    if not text.startswith("["):
-        return []
-    calls: list[ToolCall] = []
-    at = 1
-    while True:
-        while at < len(text) and text[at] in " ,\n":
-            at += 1
-        try:
-            value, at = _decoder.raw_decode(text, at)
-            calls.append(ToolCall(value["name"], json.dumps(value.get("arguments", {}))))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            return calls
-
-
 def tools_system_prompt(tools: list[dict]) -> str:
     listing = "\n".join(json.dumps(t["function"]) for t in tools)
     return ("You can call functions. The available functions are:\n" + listing +
@@ -249,16 +224,87 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+@dataclass
+class CallDelta:
+    """A piece of the arguments of a call still being written (streamed as it comes)."""
+    call: ToolCall  # its id and name; its arguments are set when it is complete
+    arguments: str
+
+
+_NAME, _ARGUMENTS = '"name": "', '"arguments": '
+
+
 class ForcedCallCollector:
-    """tool_choice 'required' or named: the whole output is the (grammar-checked) call JSON.
-    Cut short, it still gives the calls completed before the cut, never the JSON as text."""
+    """tool_choice 'required' or named: the whole output is the (grammar-checked) call JSON,
+    `{"name": ..., "arguments": ...}` or a list of them, written compactly in this key order.
+    Each call is returned as soon as its arguments close, with the model's own text as its
+    arguments; `progress()` gives the arguments as they are written, for streaming. A call the
+    length limit cut is never returned, and the JSON is never shown as text."""
 
     def __init__(self) -> None:
         self.text = ""
+        self.pos = 0  # how far the text has been read
+        self.state = "name"  # looking for a call's name / reading its arguments
+        self.call: ToolCall | None = None
+        self.start = 0  # where the arguments of the call being read start
+        self.shown = 0  # how far they have been given out by progress()
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.pieces: list[CallDelta] = []
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.text += delta
-        return "", []
+        done = []
+        while True:
+            if self.state == "name":
+                at = self.text.find(_NAME, self.pos)
+                end = self.text.find('"', at + len(_NAME)) if at >= 0 else -1
+                args = self.text.find(_ARGUMENTS, end) if end >= 0 else -1
+                if args < 0:
+                    return "", done
+                self.call = ToolCall(self.text[at + len(_NAME):end], "")
+                self.pos = self.start = self.shown = args + len(_ARGUMENTS)
+                self.state, self.depth = "arguments", 0
+            elif self._read_arguments():
+                self._show()
+                self.call.arguments = self.text[self.start:self.pos]
+                done.append(self.call)
+                self.state = "name"
+            else:
+                self._show()
+                return "", done
+
+    def _show(self) -> None:
+        if self.pos > self.shown:
+            self.pieces.append(CallDelta(self.call, self.text[self.shown:self.pos]))
+            self.shown = self.pos
+
+    def _read_arguments(self) -> bool:
+        """Reads on; True when the arguments value has closed (at self.pos)."""
+        text = self.text
+        while self.pos < len(text):
+            c = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return True
+        return False
+
+    def progress(self) -> list[CallDelta]:
+        """The pieces of arguments written since it was last asked."""
+        pieces, self.pieces = self.pieces, []
+        return pieces
 
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
-        return "", complete_calls(self.text)
+        return "", []

@@ -5,7 +5,7 @@ call cut by max_tokens (complete calls stay tool_use blocks, stop_reason max_tok
 import anthropic
 import pytest
 
-from tests.client_models import MODEL, Node, Person
+from tests.client_models import MODEL, Address, Node, Person
 
 ASK = [{"role": "user", "content": "Save Ann, who lives in Paris."}]
 SAVE = {"name": "save_person", "description": "Save a person.",
@@ -38,6 +38,21 @@ def test_forced_tool_beside_output_format(client):
         output_config={"format": {"type": "json_schema", "schema": Node.model_json_schema()}})
     assert m.stop_reason == "tool_use"
     Person.model_validate(m.content[0].input)
+
+
+def test_auto_tool_beside_output_format(client):
+    """Under auto the model either calls the tool or answers in the format."""
+    m = client.messages.create(
+        model=MODEL, max_tokens=300, messages=ASK, tools=[SAVE],
+        extra_body={"temperature": 1.0},
+        output_config={"format": {"type": "json_schema",
+                                  "schema": Address.model_json_schema()}})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    if uses:
+        assert m.stop_reason == "tool_use" and all(Person.model_validate(b.input) for b in uses)
+    else:
+        assert m.stop_reason == "end_turn"
+        Address.model_validate_json("".join(b.text for b in m.content if b.type == "text"))
 
 
 def test_streamed_tool_use_and_cut_call(client):
