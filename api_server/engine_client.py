@@ -20,6 +20,7 @@ from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from pipelines.tts_context import TTSContext
+from pipelines.vision_context import TextAndVisionContext
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioChunk,
@@ -78,6 +79,7 @@ class EngineClient:
         self._ended_early: dict[str, str] = {}
         self._submitted: dict[str, _OpenRequest] = {}  # sent, nobody reads their outputs yet
         self._embed_waiters: dict[str, asyncio.Future] = {}
+        self._image_sends = asyncio.Lock()
         self.audio_streams: dict[str, asyncio.Queue] = {}
         # Admission bookkeeping: requests admitted or sent that have produced nothing yet.
         # A reservation is made when a request is admitted, before its stream starts, so a
@@ -231,10 +233,22 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason)
         self._submitted[ctx.request_id] = self._open(ctx, timeout)
         try:
-            await self.requests.send(self.encode(_without_stop_strings(ctx)), copy=False)
+            await self._send_context(_without_stop_strings(ctx))
         except BaseException:
             self.withdraw([ctx.request_id])
             raise
+
+    async def _send_context(self, ctx: TextContext) -> None:
+        if not isinstance(ctx, TextAndVisionContext) or not ctx.images:
+            await self.requests.send(self.encode(ctx), copy=False)
+            return
+        # A context with images carries their pixel arrays (megabytes): one encoded at a time,
+        # until ZeroMQ has handed it over, so the n choices of a request are not n encoded
+        # copies here at once (nor, arriving together, in the scheduler's receive queue).
+        async with self._image_sends:
+            tracker = await self.requests.send(self.encode(ctx), copy=False, track=True)
+            while not tracker.done and self.dead_reason is None:
+                await asyncio.sleep(0.002)
 
     def withdraw(self, request_ids: list[str]) -> None:
         """Cancel submitted requests whose outputs nobody started to read (the client left
