@@ -12,6 +12,7 @@ import asyncio
 import base64
 import gc
 import io
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -310,6 +311,9 @@ def test_n_choices_decode_their_images_once(server, openai_client):
     print(f"API process RSS {rss:.0f} MiB, +{grown:.0f} MiB after n=8 x 2 images of 2048 px")
     assert grown < 400
     # Every array is freed with its request: nothing stays counted in flight.
+    deadline = time.monotonic() + 10
+    while metric(server, "loom:image_pixels_in_flight") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert metric(server, "loom:image_pixels_in_flight") == 0
 
 
