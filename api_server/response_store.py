@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from api_server.image_inputs import ImagePart
+
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 64 << 20
 
@@ -38,7 +40,7 @@ class StoredResponse:
 
     @property
     def messages(self) -> list[dict]:
-        return msgspec.json.decode(self.messages_json)
+        return decode_messages(self.messages_json)
 
     @property
     def input_items(self) -> list[dict]:
@@ -55,7 +57,8 @@ class ResponseStore:
 
     def put(self, body: dict, messages: list[dict], input_items: list[dict] | None = None) -> None:
         # The echoed request (tools, instructions) can be most of it: all of it is counted.
-        item = StoredResponse(_encode(body), _encode(messages), _encode(input_items or []))
+        item = StoredResponse(_encode(body), encode_messages(messages),
+                              _encode(input_items or []))
         if item.size > self.max_bytes:
             return  # larger than the whole store: not kept
         self.delete(body["id"])
@@ -74,3 +77,26 @@ class ResponseStore:
             return False
         self.bytes -= item.size
         return True
+
+
+def encode_messages(messages: list[dict]) -> bytes:
+    """Chat messages as JSON. Their images (`ImagePart`s, which no JSON body can put in a
+    conversation) are kept beside them by position, and put back in place when decoded."""
+    plain, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+            images += [[i, j, p.param, p.url] for j, p in enumerate(content)
+                       if isinstance(p, ImagePart)]
+            message = {**message, "content": [None if isinstance(p, ImagePart) else p
+                                              for p in content]}
+        plain.append(message)
+    return _encode({"messages": plain, "images": images})
+
+
+def decode_messages(data: bytes) -> list[dict]:
+    stored = msgspec.json.decode(data)
+    messages = stored["messages"]
+    for i, j, param, url in stored["images"]:
+        messages[i]["content"][j] = ImagePart(param, url)
+    return messages

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -24,7 +23,7 @@ from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
 from api_server.protocol import RequestError
 from api_server.reasoning import effort_budget
-from api_server.response_store import ResponseStore
+from api_server.response_store import ResponseStore, StoredResponse
 from api_server.responses_protocol import (
     ResponsesRequest,
     chat_tool_choice,
@@ -58,7 +57,7 @@ class ResponsesRoute:
             routes._check_engine()
             routes._check_sequences(1, "input")
             history = self._stored_history(req)
-            large = is_large(body) or is_large(history)
+            large = is_large(body) or is_large(history.messages_json if history else b"")
             conversation, job = await off_loop_if(large, self._job, req, history, large)
             run = await start_chat(routes, job)
         except RequestError as exc:
@@ -70,13 +69,16 @@ class ResponsesRoute:
                                               run.first)
         return await routes._collect(request, self._body(run, builder, conversation))
 
-    def _job(self, req: ResponsesRequest, history: bytes, large: bool,
+    def _job(self, req: ResponsesRequest, history: StoredResponse | None, large: bool,
              ) -> tuple[list[dict], ChatJob]:
         """The conversation and its chat job (walking all the request and the stored history
         hold: off the loop when they are large)."""
-        if is_large(history):  # refused as the same conversation sent whole would be
-            check_json_shape(history)
-        conversation = msgspec.json.decode(history) + input_messages(req)
+        conversation = []
+        if history is not None:
+            if is_large(history.messages_json):  # as the conversation sent whole would be
+                check_json_shape(history.messages_json)
+            conversation = history.messages
+        conversation += input_messages(req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         reasoning = req.reasoning
         return conversation, ChatJob(
@@ -91,16 +93,16 @@ class ResponsesRoute:
             if reasoning else None,
             request_path="/v1/responses", large=large)
 
-    def _stored_history(self, req: ResponsesRequest) -> bytes:
-        """The conversation through `previous_response_id`, as the JSON the store keeps."""
+    def _stored_history(self, req: ResponsesRequest) -> StoredResponse | None:
+        """The stored response `previous_response_id` names: the conversation through it."""
         if req.previous_response_id is None:
-            return b"[]"
+            return None
         stored = self.store.get(req.previous_response_id)
         if stored is None:
             raise RequestError(f"no stored response {req.previous_response_id!r} (responses "
                                f"are kept only when created with store: true, and in memory)",
                                param="previous_response_id", code="response_not_found")
-        return stored.messages_json
+        return stored
 
     async def get(self, request: Request) -> Response:
         stored = self.store.get(request.path_params["response_id"])

@@ -214,6 +214,16 @@ def test_the_store_evicts_by_bytes_and_holds_no_more():
     store.put({"id": "huge", "x": "y" * 20_000}, [])  # larger than the whole store: not kept
     assert store.get("huge") is None and store.get("r2") is not None
     assert store.get("r2").messages == [{"role": "user", "content": "x"}]
+    # A conversation's images (which no JSON body can put there) come back as they went in.
+    from api_server.image_inputs import ImagePart
+
+    image = ImagePart("input[0].content[1]", "data:image/png;base64,AAAA")
+    forged = {"param": "x", "url": "file:///etc/passwd"}  # a dict of a client is no image
+    talk = [{"role": "user", "content": [{"type": "text", "text": "see"}, image, forged]}]
+    store.put({"id": "img"}, talk)
+    assert store.get("img").messages == talk
+    assert isinstance(store.get("img").messages[0]["content"][1], ImagePart)
+    assert isinstance(store.get("img").messages[0]["content"][2], dict)
 
 
 def test_a_full_off_loop_queue_is_a_503():
