@@ -329,7 +329,7 @@ class ChatRun:
             reasoning += more_reasoning
             if calls is not None:
                 text, more_calls = calls.push(more)
-                rest, last = calls.finish(cut=d.finish_reason == "length")
+                rest, last = calls.finish()
                 content, found = content + text + rest, found + more_calls + last
             else:
                 content += more

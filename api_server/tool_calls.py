@@ -198,14 +198,13 @@ class ToolCallParser:
                 self.inside = False
         return "".join(content), done
 
-    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
-        """End of output: an unclosed call is parsed if it is complete JSON, else shown
-        (unless the length limit `cut` it: a partial call is not an answer)."""
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """End of output: an unclosed call is parsed if it is complete JSON, else shown."""
         rest, self.buffer = self.buffer, ""
         if self.inside:
             self.inside = False
             calls = self._parse(rest)
-            return ("" if calls or cut else OPEN + rest), calls
+            return ("" if calls else OPEN + rest), calls
         return rest, []
 
     def _parse(self, body: str) -> list[ToolCall]:
@@ -306,5 +305,5 @@ class ForcedCallCollector:
         pieces, self.pieces = self.pieces, []
         return pieces
 
-    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
-        return "", []
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return "", []  # a call the length limit cut is not returned, nor shown

@@ -114,7 +114,7 @@ class Llama3JsonParser:
             return "", []
         return self._take_calls(final=False)
 
-    def _take_calls(self, final: bool, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    def _take_calls(self, final: bool) -> tuple[str, list[ToolCall]]:
         """Calls complete at the front of the buffer; the rest waits (or, at the end, is
         content). A complete JSON value that is not a call turns the rest into content."""
         calls: list[ToolCall] = []
@@ -129,7 +129,7 @@ class Llama3JsonParser:
                 if final:
                     self.state = "text"
                     out, self.buffer = self.buffer, ""
-                    return ("" if cut else out), calls  # cut: a partial call, not text
+                    return out, calls
                 return "", calls
             found = [call_from_value(v) for v in (value if isinstance(value, list) else [value])]
             if not found or not all(found):
@@ -139,9 +139,9 @@ class Llama3JsonParser:
             calls += found
             self.buffer = text[end:]
 
-    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[ToolCall]]:
         if self.state == "calls":
-            return self._take_calls(final=True, cut=cut)
+            return self._take_calls(final=True)
         out, self.buffer = self.buffer, ""
         return out, []
 
@@ -207,13 +207,12 @@ class MistralParser:
         call = call_from_value({"name": name, "arguments": args})
         return ([call], args_text[end:]) if call else (None, "")
 
-    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[ToolCall]]:
         content, calls = [], []
         while self.inside:
             found, rest = self._one(final=True)
             if found is None:
-                if not cut:  # cut by the length limit: a partial call, not text
-                    content.append(self.buffer)
+                content.append(self.buffer)
                 self.buffer, self.inside = "", False
                 break
             calls += found
