@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -20,7 +21,7 @@ from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from pipelines.tts_context import TTSContext
-from pipelines.vision_context import TextAndVisionContext
+from pipelines.vision_context import IMAGES_NOT_HELD, TextAndVisionContext
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioChunk,
@@ -33,6 +34,11 @@ from serialization.messages import (
 from serialization.sockets import Endpoints, decode_or_drop, make_socket
 
 logger = logging.getLogger("loom.api")
+
+
+def _no_pixels(pixels: np.ndarray) -> np.ndarray:
+    """What an image sent by reference carries instead of its pixels."""
+    return np.empty(0, pixels.dtype)
 
 
 class EngineDeadError(RuntimeError):
@@ -80,6 +86,11 @@ class EngineClient:
         self._submitted: dict[str, _OpenRequest] = {}  # sent, nobody reads their outputs yet
         self._embed_waiters: dict[str, asyncio.Future] = {}
         self._image_sends = asyncio.Lock()
+        # Pixel arrays sent whole (by id, while they live), and the contexts sent by reference
+        # until their first output.
+        self._sent_images: weakref.WeakValueDictionary[int, np.ndarray] = \
+            weakref.WeakValueDictionary()
+        self._by_reference: dict[str, TextContext] = {}
         self.audio_streams: dict[str, asyncio.Queue] = {}
         # Admission bookkeeping: requests admitted or sent that have produced nothing yet.
         # A reservation is made when a request is admitted, before its stream starts, so a
@@ -136,6 +147,11 @@ class EngineClient:
                 if msg.stats is not None and self.metrics is not None:
                     self.metrics.observe_scheduler(msg.stats)
                 for output in msg.outputs:
+                    if self._by_reference and output.request_id in self._by_reference:
+                        if output.error == IMAGES_NOT_HELD:
+                            self._resend_whole(output.request_id)
+                            continue
+                        del self._by_reference[output.request_id]
                     queue = self.streams.get(output.request_id)
                     if queue is not None:
                         queue.put_nowait(output)
@@ -238,17 +254,40 @@ class EngineClient:
             self.withdraw([ctx.request_id])
             raise
 
-    async def _send_context(self, ctx: TextContext) -> None:
+    async def _send_context(self, ctx: TextContext, whole: bool = False) -> None:
         if not isinstance(ctx, TextAndVisionContext) or not ctx.images:
             await self.requests.send(self.encode(ctx), copy=False)
             return
+        arrays = [img.pixel_values for img in ctx.images]
+        if not whole and all(self._sent_images.get(id(a)) is a for a in arrays):
+            # The other choices of a request share the first's arrays, which the scheduler
+            # holds: their images go by reference (if it let them go, it says so and the
+            # context is sent again whole, `_resend_whole`).
+            self._by_reference[ctx.request_id] = ctx
+            await self.requests.send(self.encode(msgspec.structs.replace(ctx, images=[
+                msgspec.structs.replace(img, pixel_values=_no_pixels(img.pixel_values))
+                for img in ctx.images])),
+                copy=False)
+            return
         # A context with images carries their pixel arrays (megabytes): one encoded at a time,
-        # until ZeroMQ has handed it over, so the n choices of a request are not n encoded
-        # copies here at once (nor, arriving together, in the scheduler's receive queue).
+        # until ZeroMQ has handed it over.
         async with self._image_sends:
             tracker = await self.requests.send(self.encode(ctx), copy=False, track=True)
             while not tracker.done and self.dead_reason is None:
                 await asyncio.sleep(0.002)
+        for array in arrays:
+            self._sent_images[id(array)] = array
+
+    def _resend_whole(self, request_id: str) -> None:
+        ctx = self._by_reference.pop(request_id)
+
+        async def resend():
+            try:
+                await self._send_context(ctx, whole=True)
+            except Exception as exc:  # (the engine is gone: its death reaches the stream)
+                logger.warning("could not resend %s with its images: %s", request_id, exc)
+
+        asyncio.ensure_future(resend())
 
     def withdraw(self, request_ids: list[str]) -> None:
         """Cancel submitted requests whose outputs nobody started to read (the client left
@@ -313,6 +352,7 @@ class EngineClient:
     def _close(self, request_id: str, opened: _OpenRequest, finished: bool) -> None:
         if opened.deadline is not None:
             opened.deadline.cancel()
+        self._by_reference.pop(request_id, None)
         del self.streams[request_id]
         self._dequeue(request_id)
         # Popped whether or not it finished: a stop string can match in the final output.

@@ -6,10 +6,8 @@ pixels already in flight leave no room, the request gets 429 (Retry-After) and n
 decoded. Once the processor has made the pixel arrays the contexts carry, the reservation
 becomes their size (a small image upscaled to tiles holds more than its header said) and is
 held until the arrays are freed: the contexts of every choice share one set of arrays, which
-live until the request ends, and the scheduler holds its copy as long. Each choice's context
-still crosses the wire with its own copy (the API's send buffers and the scheduler's receive
-buffers hold n of them for a moment), so a request with n choices is counted n times, before
-its other n - 1 contexts are built: 400 naming `n` if that could never fit.
+live until the request ends, and the scheduler holds its copy as long (the other choices'
+contexts send their images by reference to it: api_server/engine_client.py).
 """
 
 from __future__ import annotations
@@ -34,13 +32,13 @@ class PixelReservation:
         self.budget.give_back(self.pixels)
         self.pixels = 0
 
-    def hold(self, arrays: list[np.ndarray], copies: int = 1) -> None:
-        """Count `copies` x the pixels of `arrays` (values / 3 channels) instead, each array's
-        share until it is freed. Past the budget if need be: the work is done, and the next
-        request is the one refused."""
+    def hold(self, arrays: list[np.ndarray]) -> None:
+        """Count the pixels of `arrays` (values / 3 channels) instead, each array's share
+        until it is freed. Past the budget if need be: the work is done, and the next request
+        is the one refused."""
         self.release()
         for array in arrays:
-            pixels = array.size // 3 * copies
+            pixels = array.size // 3
             with self.budget.lock:
                 self.budget.in_flight += pixels
             weakref.finalize(array, self.budget.give_back, pixels)
@@ -69,12 +67,6 @@ class ImagePixelBudget:
                     status=429, code="images_busy")
             self.in_flight += pixels
         return PixelReservation(self, pixels)
-
-    def hold_copies(self, arrays: list[np.ndarray], copies: int, param: str) -> None:
-        """Count `copies` more of the arrays (the other choices of a prompt: each context
-        crosses the wire to the scheduler with its own copy) until they are freed."""
-        pixels = sum(array.size // 3 for array in arrays) * copies
-        self.reserve(pixels, param).hold(arrays, copies)
 
     def give_back(self, pixels: int) -> None:
         with self.lock:

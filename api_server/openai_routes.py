@@ -57,7 +57,6 @@ from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
 from pipelines.status import PipelineTask
-from pipelines.vision_context import TextAndVisionContext
 
 logger = logging.getLogger("loom.api")
 
@@ -231,9 +230,6 @@ class OpenAIRoutes:
             first = await self.tokenizer.new_context(make_request(i))
             tokens += n * first.prompt_length
             self.state.check_queue_room(count, tokens)
-            if n > 1 and isinstance(first, TextAndVisionContext):
-                self.tokenizer.image_budget.hold_copies(
-                    [image.pixel_values for image in first.images], n - 1, "n")
             contexts.append(first)
         if admit:
             self.state.admit(contexts)

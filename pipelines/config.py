@@ -75,9 +75,8 @@ class MediaLimits:
     max_image_bytes: int = 20_000_000  # of an image file, after base64 decoding
     max_image_pixels: int = 40_000_000
     max_request_image_pixels: int = 64_000_000  # all images of a request, from their headers
-    # Server-wide: pixels being decoded, then held as pixel arrays (x n choices) until their
-    # request ends; float32 arrays of 3 channels: 12 bytes a pixel, in the API process and
-    # in the scheduler.
+    # Server-wide: pixels being decoded, then held as pixel arrays until their request ends;
+    # float32 arrays of 3 channels: 12 bytes a pixel, in the API process and in the scheduler.
     max_image_pixels_in_flight: int = 256_000_000
     allowed_local_media_path: str | None = None  # file:// URLs only inside it; None: refused
 

@@ -50,6 +50,12 @@ def hash_image(pixel_values: np.ndarray) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+# A context may send an image by reference, its pixel_values empty, when the scheduler already
+# holds the same image (the other choices of a request): if it no longer does, the scheduler
+# answers the request with this error and the API process sends the context again, whole.
+IMAGES_NOT_HELD = "the scheduler does not hold this request's images"
+
+
 class ImageMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One image of a prompt: its token run [start_idx, end_idx) and its pixel values, in the
     layout its model's vision encoder takes (Idefics3: float32 [tiles, channels, H, W])."""

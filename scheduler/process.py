@@ -19,8 +19,9 @@ from collections import deque
 import zmq
 
 from pipelines.config import BatchingConfig, KVCacheConfig
-from pipelines.status import PipelineTask
-from pipelines.vision_context import TextAndVisionContext
+from pipelines.response import TextGenerationOutput
+from pipelines.status import GenerationStatus, PipelineTask
+from pipelines.vision_context import IMAGES_NOT_HELD, TextAndVisionContext
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
 from scheduler.fair_share import FairShare
@@ -179,8 +180,10 @@ class SchedulerLoop:
             except zmq.Again:
                 break
             ctx = decode_or_drop(self.decode_request, frame, "requests")
-            if isinstance(ctx, TextAndVisionContext):
-                self.shared_images.share(ctx)
+            if isinstance(ctx, TextAndVisionContext) and not self.shared_images.share(ctx):
+                self.responses.send(self.encode(ResponseBatch(outputs=[TextGenerationOutput(
+                    ctx.request_id, [], GenerationStatus.ERROR, error=IMAGES_NOT_HELD)])))
+                continue
             source = next((s for s in self.sources if isinstance(ctx, s.context_type)), None)
             if source is not None:
                 source.add(ctx)

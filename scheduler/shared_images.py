@@ -5,7 +5,9 @@ pixel arrays (and a follow-up turn of a conversation brings its image again): th
 keeps each for the request's whole life (a preempted request encodes its images again), so n
 choices of 4 large images would hold n copies. Contexts are matched by the image's content
 hash (blake2b, computed by the API process, with its shape and dtype), the key the prefix cache
-already trusts; the table holds no image alive by itself.
+already trusts; the table holds no image alive by itself. The API process sends an image it
+has already sent by reference (empty pixel_values), resolved here; `share` is False when one
+is no longer held (IMAGES_NOT_HELD).
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ class SharedImages:
         self._arrays: weakref.WeakValueDictionary[tuple, np.ndarray] = \
             weakref.WeakValueDictionary()
 
-    def share(self, ctx: TextAndVisionContext) -> None:
-        """Point the context's images at the copies already held, and offer its own."""
+    def share(self, ctx: TextAndVisionContext) -> bool:
+        """Point the context's images at the copies already held, and offer its own; False
+        if an image sent by reference is not held (any more)."""
         for img in ctx.images:
             pixels = img.pixel_values
-            key = (img.image_hash, pixels.shape, pixels.dtype.str)
+            key = (img.image_hash, pixels.dtype.str)
             held = self._arrays.get(key)
+            if held is None and pixels.size == 0:
+                return False
             if held is None:
                 self._arrays[key] = pixels
             else:
                 img.pixel_values = held
+        return True

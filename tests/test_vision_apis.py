@@ -317,6 +317,20 @@ def test_n_choices_decode_their_images_once(server, openai_client):
     assert metric(server, "loom:image_pixels_in_flight") == 0
 
 
+def test_choices_sent_after_the_first_has_finished_still_see_the_images(openai_client):
+    # The other choices send their images by reference to the first's; with one token each,
+    # the first has finished (and the scheduler let its images go) before they arrive: they
+    # are sent again whole, and every choice still sees the image.
+    messages = [{"role": "user", "content": [chat_image(data_url(IMAGES["tall"])),
+                                             chat_text_part(TEXT)]}]
+    one = openai_client.chat.completions.create(model="vlm", messages=messages, max_tokens=1,
+                                                temperature=0)
+    many = openai_client.chat.completions.create(model="vlm", messages=messages, max_tokens=1,
+                                                 temperature=0, n=4)
+    assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 4
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+
+
 def test_images_over_the_request_pixel_budget_are_refused_before_decoding(server,
                                                                           openai_client):
     # Two 2,200 px squares: each within --max-image-pixels, together over the request's
