@@ -231,6 +231,7 @@ class CallDelta:
 
 
 _NAME, _ARGUMENTS = '"name": "', '"arguments": '
+_decoder = json.JSONDecoder()
 
 
 class ForcedCallCollector:
@@ -256,11 +257,16 @@ class ForcedCallCollector:
         while True:
             if self.state == "name":
                 at = self.text.find(_NAME, self.pos)
-                end = self.text.find('"', at + len(_NAME)) if at >= 0 else -1
-                args = self.text.find(_ARGUMENTS, end) if end >= 0 else -1
+                if at < 0:
+                    return "", done
+                try:  # the name as JSON reads it (escapes and all), once it is complete
+                    name, end = _decoder.raw_decode(self.text, at + len(_NAME) - 1)
+                except ValueError:
+                    return "", done
+                args = self.text.find(_ARGUMENTS, end)
                 if args < 0:
                     return "", done
-                self.call = ToolCall(self.text[at + len(_NAME):end], "")
+                self.call = ToolCall(name, "")
                 self.pos = self.start = self.shown = args + len(_ARGUMENTS)
                 self.state, self.depth = "arguments", 0
             elif self._read_arguments():

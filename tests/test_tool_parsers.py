@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from api_server.tool_calls import ForcedCallCollector
 from api_server.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
@@ -135,6 +136,22 @@ def test_schema_check_counts_failures_and_is_bounded():
     assert not checker.check(ToolCall("f", json.dumps({"s": "a" * 5000 + "b"})))
     assert time.perf_counter() - started < 2.0  # Python's re would backtrack for ages
     assert counter.value == 3
+
+
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_forced_calls_stream_their_arguments_and_a_cut_call_is_dropped(size):
+    text = ('[{"name": "a\\"b", "arguments": {"s": "}]\\"{", "l": [1, {"k": 2}]}}, '
+            '{"name": "noop", "arguments": {}}, {"name": "a", "arguments": {"s": "cut')
+    collector, calls, pieces = ForcedCallCollector(), [], {}
+    for i in range(0, len(text), size):
+        calls += collector.push(text[i:i + size])[1]
+        for piece in collector.progress():
+            pieces[piece.call.id] = pieces.get(piece.call.id, "") + piece.arguments
+    assert collector.finish() == ("", [])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ('a"b', {"s": '}]"{', "l": [1, {"k": 2}]}), ("noop", {})]
+    assert [pieces[c.id] for c in calls] == [c.arguments for c in calls]
+    assert list(pieces.values())[-1] == '{"s": "cut'  # streamed, then cut: not a call
 
 
 # ---- through the server ------------------------------------------------------------------------
