@@ -91,6 +91,7 @@ class EngineClient:
         self._sent_images: weakref.WeakValueDictionary[int, np.ndarray] = \
             weakref.WeakValueDictionary()
         self._by_reference: dict[str, TextContext] = {}
+        self._resends: set[asyncio.Task] = set()
         self.audio_streams: dict[str, asyncio.Queue] = {}
         # Admission bookkeeping: requests admitted or sent that have produced nothing yet.
         # A reservation is made when a request is admitted, before its stream starts, so a
@@ -287,7 +288,9 @@ class EngineClient:
             except Exception as exc:  # (the engine is gone: its death reaches the stream)
                 logger.warning("could not resend %s with its images: %s", request_id, exc)
 
-        asyncio.ensure_future(resend())
+        task = asyncio.ensure_future(resend())
+        self._resends.add(task)  # (the loop keeps only a weak reference to a task)
+        task.add_done_callback(self._resends.discard)
 
     def withdraw(self, request_ids: list[str]) -> None:
         """Cancel submitted requests whose outputs nobody started to read (the client left
