@@ -45,8 +45,8 @@ def test_auto_tool_beside_output_format(client):
     m = client.messages.create(
         model=MODEL, max_tokens=300, messages=ASK, tools=[SAVE],
         extra_body={"temperature": 1.0},
-        output_config={"format": {"type": "json_schema",
-                                  "schema": Address.model_json_schema()}})
+        output_config={"format": {"type": "json_schema", "schema": {
+            **Address.model_json_schema(), "additionalProperties": False}}})
     uses = [b for b in m.content if b.type == "tool_use"]
     if uses:
         assert m.stop_reason == "tool_use" and all(Person.model_validate(b.input) for b in uses)
