@@ -144,8 +144,8 @@ def test_killed_replica_fails_only_its_own_requests(cluster):
                                           extra_body={"ignore_eos": True}):
                 pass
             return "ok"
-        except openai.APIError:
-            return "failed"
+        except Exception:  # an APIError, or (older openai releases) the transport's own error
+            return "failed"  # for a body cut short
 
     with ThreadPoolExecutor(len(words)) as pool:
         results = [pool.submit(stream, w) for w in words]
