@@ -17,11 +17,17 @@ ANY_JSON_OBJECT = {"type": "object"}
 
 def validate_schema(schema: Any, param: str) -> str:
     """The schema as the string the worker compiles; RequestError if llguidance rejects it."""
-    import llguidance
-
     if not isinstance(schema, dict):
         raise RequestError("the JSON schema must be an object", param=param)
-    text = json.dumps(schema)  # property order is generation order: keep the user's
+    # Property order is generation order: keep the user's.
+    return validate_grammar(json.dumps(schema), param)
+
+
+def validate_grammar(text: str, param: str) -> str:
+    """A JSON schema's text, or a Lark grammar built here (its %json rules hold request
+    schemas): RequestError naming `param` if llguidance rejects it."""
+    import llguidance
+
     try:
         grammar = grammar_for_json_schema(text)
     except ValueError as exc:
@@ -30,21 +36,6 @@ def validate_schema(schema: Any, param: str) -> str:
     if is_error:
         raise RequestError(f"unsupported or invalid JSON schema: {messages[0]}", param=param)
     return text
-
-
-def validate_grammar(lark: str, param: str) -> str:
-    """A Lark grammar built here (its %json rules hold request schemas), checked as schemas
-    are: RequestError naming `param` if llguidance rejects it."""
-    import llguidance
-
-    try:
-        grammar = grammar_for_json_schema(lark)
-    except ValueError as exc:
-        raise RequestError(f"invalid JSON schema: {exc}", param=param) from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise RequestError(f"unsupported or invalid JSON schema: {messages[0]}", param=param)
-    return lark
 
 
 def schema_for_response_format(response_format) -> str | None:
