@@ -19,6 +19,7 @@ import numpy as np
 
 from api_server.reasoning import FORCED_CLOSE
 from pipelines.context import TextContext
+from pipelines.vision_context import TextAndVisionContext
 
 
 def _close_ids(tokenizer) -> np.ndarray:
@@ -30,12 +31,22 @@ def _with_tokens(ctx: TextContext, tokens: np.ndarray, max_length: int, request_
                  max_new_tokens: int | None, min_new_tokens: int) -> TextContext:
     params = msgspec.structs.replace(ctx.sampling_params, max_new_tokens=max_new_tokens,
                                      min_new_tokens=max(0, min_new_tokens))
-    return TextContext(
+    return type(ctx)(
         request_id=request_id, max_length=max_length, tokens=tokens,
         eos_token_ids=set(ctx.eos_token_ids), ignore_eos=ctx.ignore_eos,
         sampling_params=params, model_name=ctx.model_name,
         log_probabilities=ctx.log_probabilities, json_schema=ctx.json_schema,
-        cache_salt=ctx.cache_salt)
+        cache_salt=ctx.cache_salt, **_vision_fields(ctx))
+
+
+def _vision_fields(ctx: TextContext) -> dict:
+    """A vision prompt's images, which lie in the prompt the new tokens extend: the same
+    objects (their pixel arrays then go to the scheduler by reference), and Qwen2-VL's
+    rope positions (the tokens past them continue from the prompt's largest position)."""
+    if not isinstance(ctx, TextAndVisionContext):
+        return {}
+    return {"vision_token_ids": ctx.vision_token_ids, "images": ctx.images,
+            "extra_model_args": ctx.extra_model_args}
 
 
 def close_thinking(tokenizer, ctx: TextContext, max_model_len: int) -> TextContext | None:
