@@ -24,11 +24,13 @@ import torch
 import transformers
 from PIL import Image
 
+from api_server.reasoning_budget import close_thinking, continue_after_thinking
 from api_server.tokenizer import TextTokenizer
 from bench.server_metrics import parse_series
 from pipelines import SamplingParams
 from pipelines.config import KVCacheConfig, MediaLimits
 from pipelines.request import TokenGeneratorRequest
+from pipelines.status import GenerationStatus
 from pipelines.vision_context import ImageMetadata, TextAndVisionContext
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -427,6 +429,53 @@ def test_aborted_request_leaves_no_embeddings(tokenizer, runner):
     run_in_process(runner, contexts, budget=8, abort_after=2)
     assert contexts[0].start_idx < contexts[0].images[0].end_idx
     assert len(runner.model.image_cache) == 0
+
+
+def test_an_image_that_fails_to_encode_fails_its_request_alone(tokenizer, runner, oracle,
+                                                                monkeypatch):
+    """Issue 26: one request's image raising in the encoder ends that request with an error;
+    the others encoded in the same step (and a text-only one) finish as transformers does."""
+    cases = [(("wide",), TEXT), ((), "Describe a cat."), (("square",), TEXT)]
+    honest = [new_context(tokenizer, chat(list(names), text) if names else
+                          [{"role": "user", "content": text}], f"ok{i}")
+              for i, (names, text) in enumerate(cases)]
+    culprit = new_context(tokenizer, chat(["tall", "wide"]), "culprit")
+    encode = runner.model.image_embeddings
+    batches = []
+
+    def faulty(images):
+        batches.append({img.request_id for img in images})
+        if any(img.request_id == "culprit" for img in images):
+            raise RuntimeError("injected encoder fault")
+        return encode(images)
+
+    monkeypatch.setattr(runner.model, "image_embeddings", faulty)
+    contexts = [honest[0], culprit, *honest[1:]]
+    run_in_process(runner, contexts, budget=4096)
+
+    assert batches[0] == {"ok0", "culprit", "ok2"}  # one step encoded them all, and raised
+    assert culprit.status is GenerationStatus.ERROR
+    for ctx, (names, text) in zip(honest, cases):
+        assert ctx.generated_tokens.tolist() == oracle(names, text)[0], names
+    assert len(runner.model.image_cache) == 0
+    assert "culprit" not in runner.requests and runner.failing == set()  # released
+
+
+def test_closing_a_thought_keeps_the_images(tokenizer):
+    """A reasoning budget closes the thought in the prompt, or continues after it: the new
+    context is still a vision context with the same images (before, a plain TextContext
+    without them: the model answered about an image it never saw)."""
+    ctx = new_context(tokenizer, chat(["wide", "tall"]), "think")
+    closed = close_thinking(tokenizer, ctx, max_model_len=1024)
+    after, tag_len = continue_after_thinking(tokenizer, ctx, [11, 12, 13])
+    for new in (closed, after):
+        assert isinstance(new, TextAndVisionContext)
+        assert len(new.images) == 2 and all(a is b for a, b in zip(new.images, ctx.images))
+        assert new.vision_token_ids == ctx.vision_token_ids
+        assert new.extra_model_args is ctx.extra_model_args
+    assert closed.prompt_tokens[:ctx.prompt_length].tolist() == ctx.prompt_tokens.tolist()
+    assert after.prompt_tokens[ctx.prompt_length:][:3].tolist() == [11, 12, 13]
+    assert len(after.prompt_tokens) == ctx.prompt_length + 3 + tag_len
 
 
 def test_a_prefix_hit_inside_an_image_sends_the_image_again():

@@ -184,6 +184,10 @@ class ModelRunner:
             self.block_size).to(self.device)
         with torch.inference_mode():
             outputs = self.model.execute(inputs).to_host()
+            if outputs.failed_requests:  # (an image that failed to encode: rows discarded)
+                for i, rid in enumerate(step.request_ids):
+                    if rid in outputs.failed_requests:
+                        failed.setdefault(i, outputs.failed_requests[rid])
             if not self.samples:
                 self._follow_samples(out, due, states)
                 return out
@@ -266,6 +270,8 @@ class ModelRunner:
         logits = outputs.next_token_logits
         logits = logits.clone() if any(top_n) else logits
         errors: dict[int, str] = {}  # rows of this batch
+        if failed:  # (its inputs failed: sampled for the batch's sake, never kept)
+            errors = {j: failed[s] for j, s in enumerate(sample_seqs.tolist()) if s in failed}
         process_logits(logits, batch_states, errors)
         constrained = [j for j, st in enumerate(batch_states)
                        if st.matcher is not None and j not in errors]
@@ -327,7 +333,7 @@ class ModelRunner:
             try:
                 results += resolve_echo([plan], logits[offset : offset + n], states)
             except Exception as exc:
-                failed[plan.seq] = f"prompt log probabilities: {describe(exc)}"
+                failed.setdefault(plan.seq, f"prompt log probabilities: {describe(exc)}")
             offset += n
         return results
 

@@ -24,7 +24,7 @@ architecture's module inherits it and brings its own `forward`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -60,6 +60,9 @@ class ModelInputs:
 class ModelOutputs:
     next_token_logits: torch.Tensor | None = None  # [num_sampled, V] float32
     logits: torch.Tensor | None = None  # [len(logits_rows), V] float32
+    # Requests whose inputs the model could not take (an image that failed to encode), with
+    # why: their rows' logits are meaningless and the runner fails them alone.
+    failed_requests: dict[str, str] = field(default_factory=dict)
 
     def to_host(self) -> "ModelOutputs":
         """The logits on the CPU, in one copy (sampling, grammars and log probabilities run
@@ -67,7 +70,8 @@ class ModelOutputs:
         if self.logits is None or self.logits.device.type == "cpu":
             return self
         logits = self.logits.cpu()
-        return ModelOutputs(logits[: len(self.next_token_logits)], logits)
+        return ModelOutputs(logits[: len(self.next_token_logits)], logits,
+                            self.failed_requests)
 
 
 class PipelineModel(ABC):

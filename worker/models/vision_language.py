@@ -21,6 +21,7 @@ from torch import nn
 from serialization.messages import StepImage
 from worker.models.llama import LlamaForCausalLM
 from worker.pipeline_model import ModelInputs, ModelOutputs
+from worker.sampler import describe
 from worker.vision_cache import VisionEmbeddingCache
 
 # Vision encoders' activations, by their config's hidden_act.
@@ -74,8 +75,9 @@ class VisionLanguageModel(LlamaForCausalLM):
     def execute(self, model_inputs):
         m = model_inputs
         merge = None
+        failed: dict[str, str] = {}
         if isinstance(m, VisionModelInputs):  # (multi-step decode inputs carry no images)
-            self.encode_images(m.images, m.request_ids)
+            failed = self.encode_images(m.images, m.request_ids)
             merge = self.image_cache.gather(m.request_ids, m.query_lens, m.seq_lens)
         hidden = self.embed_tokens(m.input_ids).to(self.compute_dtype)
         if merge is not None:
@@ -84,26 +86,49 @@ class VisionLanguageModel(LlamaForCausalLM):
         logits = self.decode(hidden, m)
         if isinstance(m, VisionModelInputs):
             self.image_cache.drop_done(m.request_ids, m.seq_lens)
-        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=logits)
+        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=logits,
+                            failed_requests=failed)
 
     def release(self, request_id: str) -> None:
         self.image_cache.release(request_id)
 
     # ---- images ----------------------------------------------------------------------------
-    def encode_images(self, images: list[StepImage], request_ids: list[str]) -> None:
-        """Encode the step's new images into the cache."""
+    def encode_images(self, images: list[StepImage], request_ids: list[str]) -> dict[str, str]:
+        """Encode the step's new images into the cache, all at once; should that raise,
+        request by request. Returns the requests whose images fail, with why: they fail
+        alone, and this step their image tokens keep their token embeddings (nothing is
+        cached for them), so the others' rows are computed as if they were not there."""
         if not images:
-            return
+            return {}
         in_step = set(request_ids)
         for img in images:
             if img.request_id not in in_step:
                 raise ValueError(f"an image of request {img.request_id}, which is not in the "
                                  f"step")
+        try:
+            self._encode(images)
+            return {}
+        except Exception:
+            pass
+        by_request: dict[str, list[StepImage]] = {}
+        for img in images:
+            by_request.setdefault(img.request_id, []).append(img)
+        failed = {}
+        for request_id, own in by_request.items():
+            try:
+                self._encode(own)
+            except Exception as exc:
+                failed[request_id] = f"image encoding: {describe(exc)}"
+                self.image_cache.release(request_id)  # (what the batch left of it)
+        return failed
+
+    def _encode(self, images: list[StepImage]) -> None:
+        for img in images:
             if not 0 <= img.start_idx < img.end_idx or len(img.token_mask) != (
                     img.end_idx - img.start_idx):
                 raise ValueError(f"request {img.request_id}: an image's token run and mask "
                                  f"disagree")
             self.check_image(img)
-        for img, rows in zip(images, self.image_embeddings(images)):
+        for img, rows in zip(images, self.image_embeddings(images), strict=True):
             self.image_cache.put(img.request_id, img.image_index, img.start_idx,
                                  np.asarray(img.token_mask, dtype=bool), rows)
