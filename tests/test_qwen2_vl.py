@@ -29,7 +29,15 @@ from pipelines.vision_context import TextAndVisionContext
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage, StepImage
 from tests.helpers import start_server
-from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, chat, new_context, run_in_process
+from tests.test_vision import (
+    IMAGES,
+    MAX_TOKENS,
+    TEXT,
+    chat,
+    check_an_image_fault_fails_alone,
+    new_context,
+    run_in_process,
+)
 from worker.model_runner import ModelRunner
 from worker.runner_config import RunnerConfig
 
@@ -243,6 +251,11 @@ def test_in_process_chunked_preempted_and_prefix_cached(tokenizer, runner, oracl
     assert len(runner.model.image_cache) == 0
     # Positions are dropped when the worker hears a request finished (with the next step).
     assert len(runner.model.mrope.requests) <= 1
+
+
+def test_an_image_that_fails_to_encode_fails_its_request_alone(tokenizer, runner, oracle,
+                                                                monkeypatch):
+    check_an_image_fault_fails_alone(tokenizer, runner, oracle, monkeypatch)
 
 
 def test_image_embeddings_equal_transformers(hf, runner):

@@ -433,8 +433,13 @@ def test_aborted_request_leaves_no_embeddings(tokenizer, runner):
 
 def test_an_image_that_fails_to_encode_fails_its_request_alone(tokenizer, runner, oracle,
                                                                 monkeypatch):
+    check_an_image_fault_fails_alone(tokenizer, runner, oracle, monkeypatch)
+
+
+def check_an_image_fault_fails_alone(tokenizer, runner, oracle, monkeypatch):
     """Issue 26: one request's image raising in the encoder ends that request with an error;
-    the others encoded in the same step (and a text-only one) finish as transformers does."""
+    the others encoded in the same step (and a text-only one) finish as transformers does.
+    (Qwen2-VL's module runs it too.)"""
     cases = [(("wide",), TEXT), ((), "Describe a cat."), (("square",), TEXT)]
     honest = [new_context(tokenizer, chat(list(names), text) if names else
                           [{"role": "user", "content": text}], f"ok{i}")
