@@ -161,7 +161,7 @@ class _MessageBuilder:
             return {"type": "text", "text": block.text if done else ""}
         call = block.call
         return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
-                "name": call.name, "input": json.loads(call.arguments) if done else {}}
+                "name": call.name, "input": json.loads(block.text) if done else {}}
 
     def block_event(self, e: BlockEvent) -> bytes:
         index = e.block.index
@@ -182,7 +182,7 @@ class _MessageBuilder:
     def body(self) -> dict:
         return {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
-            "content": [self.block(b) for b in self.tracker.blocks],
+            "content": [self.block(b) for b in self.tracker.answer],
             "stop_reason": self.stop_reason(),
             "stop_sequence": self.last.stop_sequence if self.last else None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},

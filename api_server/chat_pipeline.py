@@ -79,8 +79,12 @@ class ChatDelta:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     logprobs: list | None = None  # the engine delta's, for chat's logprobs
-    # Pieces of the arguments of calls being written (forced calls), for chat's stream.
+    # Pieces of the arguments of calls being written, for streaming: a call's first piece
+    # comes before it is complete (in `calls`), and the pieces add up to its arguments.
     call_deltas: list[CallDelta] = field(default_factory=list)
+    # Calls whose pieces were streamed but that turned out not to be calls (auto mode: the
+    # text did not parse; it comes back as content): their streamed blocks end here.
+    dropped_calls: list[ToolCall] = field(default_factory=list)
 
 
 def tool_mode(tools: list[dict], tool_choice) -> str:
@@ -336,11 +340,12 @@ class ChatRun:
         if found:
             await self._check(found)
         counts["calls"] += len(found)
-        pieces = calls.progress() if isinstance(calls, ForcedCallCollector) else []
+        pieces = calls.progress() if calls is not None else []
+        dropped = calls.dropped() if calls is not None else []
         return ChatDelta(d.index, reasoning, content, found, d.finish_reason,
                          bool(counts["calls"]), d.stop_sequence,
                          reasoning_tokens=counts["reasoning"], logprobs=d.logprobs,
-                         call_deltas=pieces)
+                         call_deltas=pieces, dropped_calls=dropped)
 
     async def _check(self, calls: list[ToolCall]) -> None:
         """Check the calls against their schemas (for metrics), off the event loop: request

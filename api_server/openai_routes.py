@@ -374,7 +374,8 @@ class OpenAIRoutes:
 
         def call_chunks(index: int, d: ChatDelta):
             # As OpenAI streams them: id, type and name first, then the arguments, in pieces
-            # as they are written where the parser can tell (forced calls), else whole.
+            # as they are written where the parser can tell, else whole. A dropped call's
+            # pieces just stop (its text comes as content).
             streamed = {p.call.id for p in d.call_deltas} | opened.keys()
             pieces = [(p.call, p.arguments) for p in d.call_deltas] + \
                 [(c, c.arguments) for c in d.calls if c.id not in streamed]
@@ -400,7 +401,7 @@ class OpenAIRoutes:
             for c in call_chunks(d.index, d):
                 yield c
             if d.finish_reason:
-                finish = _finish(d.finish_reason, num_calls[d.index])
+                finish = _finish(d.finish_reason, int(d.made_calls))
                 yield chunk(d.index, {}, finish)
         if req.stream_options and req.stream_options.include_usage:
             yield {"id": response_id, "object": "chat.completion.chunk", "created": created,

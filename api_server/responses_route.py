@@ -223,7 +223,7 @@ class _ResponseBuilder:
                     "content": content}
         call = block.call
         return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-                "arguments": call.arguments if status != "in_progress" else "",
+                "arguments": block.text if status != "in_progress" else "",
                 "status": status}
 
     def item_events(self, e: BlockEvent) -> list[tuple[str, dict]]:
@@ -260,20 +260,25 @@ class _ResponseBuilder:
                      {**at, "content_index": 0, "text": block.text}),
                     ("response.content_part.done", {**at, "content_index": 0, "part": part}),
                     ("response.output_item.done", {"output_index": block.index, "item": done})]
+        if block.dropped:  # not a call after all (or cut): its text is not an answer
+            return [("response.output_item.done", {"output_index": block.index, "item": done})]
         return [("response.function_call_arguments.done",
-                 {**at, "name": block.call.name, "arguments": block.call.arguments}),
+                 {**at, "name": block.call.name, "arguments": block.text}),
                 ("response.output_item.done", {"output_index": block.index, "item": done})]
 
     def _item_status(self, block: Block) -> str:
         # The last block is the one a length limit cut; calls are complete when parsed.
-        last = self.tracker.blocks and self.tracker.blocks[-1] is block
+        if block.dropped:
+            return "incomplete"
+        answer = self.tracker.answer
+        last = answer and answer[-1] is block
         return "incomplete" if (last and self.finish == "length" and block.kind != "call") \
             else "completed"
 
     def response(self, status: str) -> dict:
         req = self.req
         done = status not in ("in_progress",)
-        output = [self.item(b, self._item_status(b)) for b in self.tracker.blocks] if done else []
+        output = [self.item(b, self._item_status(b)) for b in self.tracker.answer] if done else []
         usage = None
         if done:
             usage = {"input_tokens": self.prompt_tokens,

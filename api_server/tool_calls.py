@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -162,12 +163,16 @@ def tools_system_prompt(tools: list[dict]) -> str:
 
 
 class ToolCallParser:
-    """Splits streamed text into plain content and Hermes-style tool calls."""
+    """Splits streamed text into plain content and Hermes-style tool calls. A call's arguments
+    stream (`progress()`) once its name is complete and its arguments object has begun; a
+    call that then does not parse (the model wrote something else, or the length limit cut
+    it) is shown as the text it was, and its streamed start is reported by `dropped()`."""
 
     def __init__(self) -> None:
         self.buffer = ""
         self.inside = False
         self.calls: list[ToolCall] = []
+        self.streaming = CallStreams()
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         """Returns (content safe to show now, tool calls completed by this delta)."""
@@ -184,12 +189,16 @@ class ToolCallParser:
                 content.append(self.buffer[:at])
                 self.buffer = self.buffer[at + len(OPEN):]
                 self.inside = True
+                self.streaming.begin()
             else:
                 end = self.buffer.find(CLOSE)
                 if end < 0:
+                    self.streaming.read(
+                        self.buffer[: len(self.buffer) - _partial_suffix(self.buffer, CLOSE)])
                     break
                 body = self.buffer[:end]
-                calls = self._parse(body)
+                self.streaming.read(body)
+                calls = self.streaming.settle(self._parse(body))
                 if calls:
                     done += calls
                 else:  # not a call after all: show it as it was written
@@ -203,9 +212,16 @@ class ToolCallParser:
         rest, self.buffer = self.buffer, ""
         if self.inside:
             self.inside = False
-            calls = self._parse(rest)
+            self.streaming.read(rest)
+            calls = self.streaming.settle(self._parse(rest))
             return ("" if calls else OPEN + rest), calls
         return rest, []
+
+    def progress(self) -> list[CallDelta]:
+        return self.streaming.progress()
+
+    def dropped(self) -> list[ToolCall]:
+        return self.streaming.take_dropped()
 
     def _parse(self, body: str) -> list[ToolCall]:
         try:
@@ -214,6 +230,51 @@ class ToolCallParser:
             return []
         self.calls += calls
         return calls
+
+
+class CallStreams:
+    """Streams the calls of an auto-mode parser's call text (a `CallReader` per block of
+    calls) before the parser knows they are calls, and settles them when it does: the calls
+    it parsed keep the ids and arguments text they streamed with. The edge: a call whose
+    start was streamed but that then does not parse is `dropped` (its pieces stop; the text
+    is shown as content)."""
+
+    def __init__(self) -> None:
+        self.reader: CallReader | None = None
+        self.pending: list[CallDelta] = []  # pieces not yet given out
+        self.sent: set[str] = set()  # ids of the calls whose pieces were given out
+        self.dropped: list[ToolCall] = []
+
+    def begin(self) -> None:
+        self.reader = CallReader()
+
+    def read(self, text: str) -> None:
+        if self.reader is not None:
+            self.reader.read(text)
+            self.pending += self.reader.progress()
+
+    def settle(self, parsed: list[ToolCall]) -> list[ToolCall]:
+        """The parsed calls of the block, as streamed where they were."""
+        reader, self.reader = self.reader, None
+        if reader is None:
+            return parsed
+        started = reader.done + ([reader.call] if reader.call is not None else [])
+        if parsed and reader.call is None and [c.name for c in reader.done] == \
+                [c.name for c in parsed]:
+            return reader.done  # each call's arguments the text that streamed
+        ids = {c.id for c in started}
+        self.pending = [p for p in self.pending if p.call.id not in ids]
+        self.dropped += [c for c in started if c.id in self.sent]
+        return parsed
+
+    def progress(self) -> list[CallDelta]:
+        pieces, self.pending = self.pending, []
+        self.sent |= {p.call.id for p in pieces}
+        return pieces
+
+    def take_dropped(self) -> list[ToolCall]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -230,53 +291,70 @@ class CallDelta:
     arguments: str
 
 
-_NAME, _ARGUMENTS = '"name": "', '"arguments": '
+# A call as the forced grammar writes it, and as chat templates teach models to: the name
+# first, then the arguments (Llama 3 names them "parameters").
+_CALL_START = re.compile(r'\{\s*"name"\s*:\s*(?=")')
+_ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _decoder = json.JSONDecoder()
 
 
-class ForcedCallCollector:
-    """tool_choice 'required' or named: the whole output is the (grammar-checked) call JSON,
-    `{"name": ..., "arguments": ...}` or a list of them, written compactly in this key order.
-    Each call is returned as soon as its arguments close, with the model's own text as its
-    arguments; `progress()` gives the arguments as they are written, for streaming. A call the
-    length limit cut is never returned, and the JSON is never shown as text."""
+class CallReader:
+    """Reads calls `{"name": ..., "arguments": {...}}` (or a list of them) as they are written:
+    a call starts once its name is complete and its arguments object has begun, and its
+    arguments stream from then on (`progress()`), the model's own text, until the object
+    closes. The concatenation of a call's pieces is its arguments exactly. A call written
+    otherwise (arguments first, or as a JSON string) is not read: its parser returns it whole."""
 
     def __init__(self) -> None:
         self.text = ""
         self.pos = 0  # how far the text has been read
-        self.state = "name"  # looking for a call's name / reading its arguments
+        self.state = "name"  # looking for a call's name / reading its arguments / "off"
         self.call: ToolCall | None = None
         self.start = 0  # where the arguments of the call being read start
         self.shown = 0  # how far they have been given out by progress()
         self.depth, self.in_string, self.escaped = 0, False, False
         self.pieces: list[CallDelta] = []
+        self.done: list[ToolCall] = []
 
-    def push(self, delta: str) -> tuple[str, list[ToolCall]]:
-        self.text += delta
+    def read(self, text: str) -> list[ToolCall]:
+        """`text`: all written so far (it only grows). Returns the calls it completes."""
+        self.text = text
         done = []
         while True:
+            if self.state == "off":
+                return done
             if self.state == "name":
-                at = self.text.find(_NAME, self.pos)
-                if at < 0:
-                    return "", done
-                try:  # the name as JSON reads it (escapes and all), once it is complete
-                    name, end = _decoder.raw_decode(self.text, at + len(_NAME) - 1)
-                except ValueError:
-                    return "", done
-                args = self.text.find(_ARGUMENTS, end)
-                if args < 0:
-                    return "", done
-                self.call = ToolCall(name, "")
-                self.pos = self.start = self.shown = args + len(_ARGUMENTS)
-                self.state, self.depth = "arguments", 0
+                if not self._start_call():
+                    return done
             elif self._read_arguments():
                 self._show()
                 self.call.arguments = self.text[self.start:self.pos]
                 done.append(self.call)
-                self.state = "name"
+                self.done.append(self.call)
+                self.call, self.state = None, "name"
             else:
                 self._show()
-                return "", done
+                return done
+
+    def _start_call(self) -> bool:
+        text = self.text
+        found = _CALL_START.search(text, self.pos)
+        if found is None:
+            return False
+        try:  # the name as JSON reads it (escapes and all), once it is complete
+            name, end = _decoder.raw_decode(text, found.end())
+        except ValueError:
+            return False
+        key = _ARGS_KEY.match(text, end)
+        if key is None or key.end() >= len(text):
+            return False  # not yet written (or other keys between: never read)
+        if text[key.end()] != "{":
+            self.state = "off"
+            return False
+        self.call = ToolCall(name, "")
+        self.pos = self.start = self.shown = key.end()
+        self.state, self.depth = "arguments", 0
+        return True
 
     def _show(self) -> None:
         if self.pos > self.shown:
@@ -310,6 +388,26 @@ class ForcedCallCollector:
         """The pieces of arguments written since it was last asked."""
         pieces, self.pieces = self.pieces, []
         return pieces
+
+
+class ForcedCallCollector:
+    """tool_choice 'required' or named: the whole output is the (grammar-checked) call JSON,
+    `{"name": ..., "arguments": ...}` or a list of them, written compactly in this key order.
+    Each call is returned as soon as its arguments close, with the model's own text as its
+    arguments; `progress()` gives the arguments as they are written, for streaming. A call the
+    length limit cut is never returned, and the JSON is never shown as text."""
+
+    def __init__(self) -> None:
+        self.reader = CallReader()
+
+    def push(self, delta: str) -> tuple[str, list[ToolCall]]:
+        return "", self.reader.read(self.reader.text + delta)
+
+    def progress(self) -> list[CallDelta]:
+        return self.reader.progress()
+
+    def dropped(self) -> list[ToolCall]:
+        return []  # a cut call's block is closed by whoever streamed it
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         return "", []  # a call the length limit cut is not returned, nor shown

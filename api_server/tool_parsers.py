@@ -9,8 +9,12 @@
   special token, so these outputs are detokenized with special tokens kept.
 
 Every parser streams: content goes out as soon as it can't be part of a call, and each call as
-soon as its text is complete. Text that looks like a call but does not parse comes back as
-content, exactly as written: a model's output is never dropped.
+soon as its text is complete; a call's arguments stream as they are written (`progress()`)
+from when its name is complete and its arguments object has begun. Text that looks like a
+call but does not parse comes back as content, exactly as written: a model's output is never
+dropped. The edge: a call whose arguments had begun to stream and that then does not parse
+(invalid JSON, or cut by the length limit) is reported by `dropped()`; its streamed start
+stays with the client, marked dropped where the API can say so.
 """
 
 from __future__ import annotations
@@ -139,6 +143,12 @@ class Llama3JsonParser:
             calls += found
             self.buffer = text[end:]
 
+    def progress(self) -> list:
+        return []  # calls are returned whole
+
+    def dropped(self) -> list[ToolCall]:
+        return []
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         if self.state == "calls":
             return self._take_calls(final=True)
@@ -206,6 +216,12 @@ class MistralParser:
             return None  # the arguments may still be coming
         call = call_from_value({"name": name, "arguments": args})
         return ([call], args_text[end:]) if call else (None, "")
+
+    def progress(self) -> list:
+        return []  # calls are returned whole
+
+    def dropped(self) -> list[ToolCall]:
+        return []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         content, calls = [], []

@@ -2,6 +2,8 @@
 (`tool`, `any`), a forced tool beside an output format, streamed tool_use input, and a forced
 call cut by max_tokens (complete calls stay tool_use blocks, stop_reason max_tokens)."""
 
+import json
+
 import anthropic
 import pytest
 
@@ -59,10 +61,22 @@ def test_streamed_tool_use_and_cut_call(client):
     kwargs = dict(model=MODEL, messages=ASK, tools=[SAVE], extra_body=GREEDY,
                   tool_choice={"type": "any"})
     with client.messages.stream(max_tokens=300, **kwargs) as stream:
+        events = list(stream)
         final = stream.get_final_message()
     uses = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use" and 1 <= len(uses) <= 3
     assert all(Person.model_validate(b.input) for b in uses)
+    # Each tool_use block starts with an empty input; its JSON streams in pieces.
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [(e.content_block.type, e.content_block.input) for e in starts] == \
+        [("tool_use", {})] * len(uses)
+    pieces: dict[int, list[str]] = {}
+    for e in events:
+        if e.type == "content_block_delta":
+            assert e.delta.type == "input_json_delta"
+            pieces.setdefault(e.index, []).append(e.delta.partial_json)
+    assert all(len(p) > 1 for p in pieces.values())
+    assert [json.loads("".join(pieces[i])) for i in sorted(pieces)] == [b.input for b in uses]
     cut = client.messages.create(max_tokens=final.usage.output_tokens // 2, **kwargs)
     assert cut.stop_reason == "max_tokens"
     assert [(b.type, b.input) for b in cut.content] == \

@@ -85,19 +85,51 @@ def test_parallel_forced_calls_are_bounded_and_cut_calls_stay_calls(client):
 
 
 def test_streamed_forced_tool_call(client):
-    stream = client.chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=120, temperature=0, stream=True,
-        tools=[openai.pydantic_function_tool(Person)],
-        tool_choice={"type": "function", "function": {"name": "Person"}})
-    arguments, finish, deltas = "", None, 0
-    for chunk in stream:
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=120, temperature=0,
+                  tools=[openai.pydantic_function_tool(Person)],
+                  tool_choice={"type": "function", "function": {"name": "Person"}})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    first, arguments, finish, deltas = None, "", None, 0
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
         for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
             assert call.index == 0
+            if first is None:  # id, type and name first, with empty arguments
+                first = call
+                assert call.id and call.type == "function" and call.function.name == "Person"
+                assert call.function.arguments == ""
+            else:
+                assert call.id is None and call.function.name is None
             deltas += bool(call.function and call.function.arguments)
             arguments += call.function.arguments or "" if call.function else ""
         finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
     assert finish == "tool_calls" and deltas > 1  # the arguments stream as they are written
+    assert json.loads(arguments) == json.loads(whole[0].function.arguments)
     Person.model_validate_json(arguments)
+
+
+def test_streamed_auto_tool_calls(client):
+    """Under auto the Hermes parser streams each call's arguments once its name is written;
+    the SDK's accumulated calls are the non-streamed ones (the same seed samples the same)."""
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=1.0,
+                  response_format={"type": "json_schema", "json_schema": {
+                      "name": "Address", "schema": Address.model_json_schema()}},
+                  tools=[openai.pydantic_function_tool(Person)])
+    seed, whole = next((seed, r.choices[0].message.tool_calls) for seed in range(8) for r in
+                       [client.chat.completions.create(seed=seed, **kwargs)]
+                       if r.choices[0].message.tool_calls)
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(stream=True, seed=seed, **kwargs):
+        for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if call.index not in calls:
+                assert call.id and call.function.name == "Person"
+                assert call.function.arguments == ""
+                calls[call.index] = {"id": call.id, "pieces": []}
+            elif call.function.arguments:
+                calls[call.index]["pieces"].append(call.function.arguments)
+    assert len(calls) == len(whole)
+    for streamed, call in zip(calls.values(), whole):
+        assert len(streamed["pieces"]) > 1
+        assert json.loads("".join(streamed["pieces"])) == json.loads(call.function.arguments)
 
 
 def test_responses_parse_nested_format_and_forced_tool(client):
@@ -158,11 +190,20 @@ def test_responses_stream_and_cut_tool_call(client):
     with client.responses.stream(model=MODEL, input="Save Ann.", tools=[tool],
                                  tool_choice="required", max_output_tokens=300,
                                  temperature=0) as stream:
-        events = [e.type for e in stream]
+        events = list(stream)
         final = stream.get_final_response()
-    assert "response.function_call_arguments.done" in events
     calls = [i for i in final.output if i.type == "function_call"]
     assert calls and all(Person.model_validate_json(c.arguments) for c in calls)
+    # Each call's arguments stream in pieces that add up to them, then a done event.
+    deltas: dict[str, list[str]] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            deltas.setdefault(e.item_id, []).append(e.delta)
+    done = {e.item_id: e.arguments for e in events
+            if e.type == "response.function_call_arguments.done"}
+    assert list(deltas) == list(done) == [c.id for c in calls]
+    assert all(len(deltas[c.id]) > 1 and "".join(deltas[c.id]) == done[c.id] == c.arguments
+               for c in calls)
     cut = client.responses.create(model=MODEL, input="Save Ann.", tools=[tool],
                                   tool_choice="required", temperature=0,
                                   max_output_tokens=final.usage.output_tokens // 2)

@@ -154,6 +154,35 @@ def test_forced_calls_stream_their_arguments_and_a_cut_call_is_dropped(size):
     assert list(pieces.values())[-1] == '{"s": "cut'  # streamed, then cut: not a call
 
 
+@pytest.mark.parametrize("size", [1, 4, 9])
+def test_hermes_calls_stream_their_arguments_once_named(size):
+    """Auto mode: a call's arguments stream from when its name is complete and its object has
+    begun; the pieces add up to the call's arguments exactly. A call that then does not parse
+    is dropped (its pieces stop) and comes back as content; one written otherwise (arguments
+    as a JSON string) is returned whole."""
+    bad = '<tool_call>{"name": "b", "arguments": {"x": tru}}</tool_call>'
+    text = ('Hi <tool_call>\n{"name": "a\\"b", "arguments": {"s": "}<\\"{", "l": [1]}}\n'
+            '</tool_call>' + bad + ' ok<tool_call>{"name": "c", "arguments": "{}"}</tool_call>'
+            '<tool_call>{"name":"d","parameters":{"k": {}}}</tool_call>'
+            '<tool_call>{"name": "e", "arguments": {"cut')
+    parser, content, calls, pieces, dropped = HermesParser(), "", [], {}, []
+    for i in range(0, len(text), size):
+        shown, found = parser.push(text[i:i + size])
+        content, calls = content + shown, calls + found
+        for piece in parser.progress():
+            assert piece.call.id not in {c.id for c in calls}  # a call's pieces come first
+            pieces[piece.call.id] = pieces.get(piece.call.id, "") + piece.arguments
+        dropped += parser.dropped()
+    shown, found = parser.finish()
+    content, calls, dropped = content + shown, calls + found, dropped + parser.dropped()
+    assert content == "Hi " + bad + ' ok<tool_call>{"name": "e", "arguments": {"cut'
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ('a"b', {"s": '}<"{', "l": [1]}), ("c", {}), ("d", {"k": {}})]
+    assert [pieces.get(c.id) for c in calls] == [calls[0].arguments, None, calls[2].arguments]
+    assert [(c.name, pieces[c.id]) for c in dropped] == [("b", '{"x": tru}'), ("e", '{"cut')]
+    assert set(pieces) == {c.id for c in calls + dropped if c.name != "c"}
+
+
 # ---- through the server ------------------------------------------------------------------------
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
