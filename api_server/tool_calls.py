@@ -199,6 +199,7 @@ class ToolCallParser:
                 body = self.buffer[:end]
                 self.streaming.read(body)
                 calls = self.streaming.settle(self._parse(body))
+                self.streaming.end()
                 if calls:
                     done += calls
                 else:  # not a call after all: show it as it was written
@@ -214,6 +215,7 @@ class ToolCallParser:
             self.inside = False
             self.streaming.read(rest)
             calls = self.streaming.settle(self._parse(rest))
+            self.streaming.end()
             return ("" if calls else OPEN + rest), calls
         return rest, []
 
@@ -233,39 +235,50 @@ class ToolCallParser:
 
 
 class CallStreams:
-    """Streams the calls of an auto-mode parser's call text (a `CallReader` per block of
-    calls) before the parser knows they are calls, and settles them when it does: the calls
-    it parsed keep the ids and arguments text they streamed with. The edge: a call whose
-    start was streamed but that then does not parse is `dropped` (its pieces stop; the text
-    is shown as content)."""
+    """Streams the calls of an auto-mode parser's call text (a `CallReader` from `begin()` to
+    `end()`) before the parser knows they are calls, and settles them as it parses them: the
+    calls it parsed keep the ids and arguments text they streamed with. The edge: a call
+    whose start was streamed but that then does not parse is `dropped` (its pieces stop; the
+    parser shows the text as content)."""
 
     def __init__(self) -> None:
         self.reader: CallReader | None = None
+        self.settled = 0  # how many of the reader's calls the parser has confirmed
         self.pending: list[CallDelta] = []  # pieces not yet given out
         self.sent: set[str] = set()  # ids of the calls whose pieces were given out
         self.dropped: list[ToolCall] = []
 
     def begin(self) -> None:
-        self.reader = CallReader()
+        self.reader, self.settled = CallReader(), 0
 
     def read(self, text: str) -> None:
+        """`text`: all the call text so far (it only grows)."""
         if self.reader is not None:
             self.reader.read(text)
             self.pending += self.reader.progress()
 
     def settle(self, parsed: list[ToolCall]) -> list[ToolCall]:
-        """The parsed calls of the block, as streamed where they were."""
+        """The calls the parser parsed next, as streamed where they were; a mismatch (the
+        reader read something else) ends streaming until the next `begin()`."""
+        reader = self.reader
+        if reader is None or not parsed:
+            return parsed
+        streamed = reader.done[self.settled:self.settled + len(parsed)]
+        if [c.name for c in streamed] == [c.name for c in parsed]:
+            self.settled += len(parsed)
+            return streamed  # each call's arguments the text that streamed
+        self.end()
+        return parsed
+
+    def end(self) -> None:
+        """No more calls in this text: any started beyond those settled are dropped."""
         reader, self.reader = self.reader, None
         if reader is None:
-            return parsed
-        started = reader.done + ([reader.call] if reader.call is not None else [])
-        if parsed and reader.call is None and [c.name for c in reader.done] == \
-                [c.name for c in parsed]:
-            return reader.done  # each call's arguments the text that streamed
+            return
+        started = reader.done[self.settled:] + ([reader.call] if reader.call else [])
         ids = {c.id for c in started}
         self.pending = [p for p in self.pending if p.call.id not in ids]
         self.dropped += [c for c in started if c.id in self.sent]
-        return parsed
 
     def progress(self) -> list[CallDelta]:
         pieces, self.pending = self.pending, []

@@ -26,6 +26,8 @@ from api_server.reasoning import partial_suffix
 from api_server.tool_calls import CLOSE as HERMES_CLOSE
 from api_server.tool_calls import OPEN as HERMES_OPEN
 from api_server.tool_calls import (
+    CallDelta,
+    CallStreams,
     ToolCall,
     ToolCallParser,
     forced_call_schema,
@@ -99,10 +101,13 @@ class Llama3JsonParser:
 
     def __init__(self) -> None:
         self.buffer = ""
+        self.written = ""  # all the output: the text the calls stream from
         self.state = "start"  # "start": undecided; "calls": reading calls; "text": content
+        self.streaming = CallStreams()
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buffer += delta
+        self.written += delta
         if self.state == "start":
             head = self.buffer.lstrip()
             if not head or PYTHON_TAG.startswith(head):
@@ -111,9 +116,12 @@ class Llama3JsonParser:
             if not body:
                 return "", []
             self.state = "calls" if body[0] in "{[" else "text"
+            if self.state == "calls":
+                self.streaming.begin()
         if self.state == "text":
             out, self.buffer = self.buffer, ""
             return out, []
+        self.streaming.read(self.written)
         if "}" not in delta and "]" not in delta:
             return "", []
         return self._take_calls(final=False)
@@ -132,26 +140,30 @@ class Llama3JsonParser:
             except (ValueError, RecursionError):
                 if final:
                     self.state = "text"
+                    self.streaming.end()
                     out, self.buffer = self.buffer, ""
                     return out, calls
                 return "", calls
             found = [call_from_value(v) for v in (value if isinstance(value, list) else [value])]
             if not found or not all(found):
                 self.state = "text"
+                self.streaming.end()
                 out, self.buffer = self.buffer, ""
                 return out, calls
-            calls += found
+            calls += self.streaming.settle(found)
             self.buffer = text[end:]
 
-    def progress(self) -> list:
-        return []  # calls are returned whole
+    def progress(self) -> list[CallDelta]:
+        return self.streaming.progress()
 
     def dropped(self) -> list[ToolCall]:
-        return []
+        return self.streaming.take_dropped()
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         if self.state == "calls":
-            return self._take_calls(final=True)
+            out, calls = self._take_calls(final=True)
+            self.streaming.end()
+            return out, calls
         out, self.buffer = self.buffer, ""
         return out, []
 
@@ -162,6 +174,7 @@ class MistralParser:
     def __init__(self) -> None:
         self.buffer = ""
         self.inside = False
+        self.streaming = CallStreams()  # the JSON list layout's calls stream
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buffer += delta
@@ -178,17 +191,26 @@ class MistralParser:
                 content.append(self.buffer[:at])
                 self.buffer = self.buffer[at:]
                 self.inside = True
+                self.streaming.begin()
+            if self.buffer[len(MISTRAL_CALLS):].lstrip().startswith("["):
+                self.streaming.read(self.buffer)
             parsed = self._one(final=False)
             if parsed is None:  # incomplete: wait for more
                 break
             found, rest = parsed
             if found is None:  # not calls after all: show it as written
+                self.streaming.end()
                 content.append(self.buffer)
                 self.buffer, self.inside = "", False
                 break
-            calls += found
+            calls += self._settled(found)
             self.buffer, self.inside = rest, False
         return "".join(content), calls
+
+    def _settled(self, found: list[ToolCall]) -> list[ToolCall]:
+        calls = self.streaming.settle(found)
+        self.streaming.end()
+        return calls
 
     def _one(self, final: bool):
         """The calls after the `[TOOL_CALLS]` at the buffer's start: (calls, rest), (None, _)
@@ -217,21 +239,22 @@ class MistralParser:
         call = call_from_value({"name": name, "arguments": args})
         return ([call], args_text[end:]) if call else (None, "")
 
-    def progress(self) -> list:
-        return []  # calls are returned whole
+    def progress(self) -> list[CallDelta]:
+        return self.streaming.progress()
 
     def dropped(self) -> list[ToolCall]:
-        return []
+        return self.streaming.take_dropped()
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         content, calls = [], []
         while self.inside:
             found, rest = self._one(final=True)
             if found is None:
+                self.streaming.end()
                 content.append(self.buffer)
                 self.buffer, self.inside = "", False
                 break
-            calls += found
+            calls += self._settled(found)
             self.buffer, self.inside = rest, False
             more, more_calls = self.push("")
             content.append(more)
