@@ -6,6 +6,10 @@
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `ToolCallParser` cuts those
   blocks out of the text stream (never leaking a partial tag) and turns them into tool calls.
   Templates that take no `tools` get the tool list and the format in a system message.
+
+Either way a call's arguments stream as the model writes them (`CallReader`, as OpenAI
+streams argument deltas): under auto from when its name is complete and its arguments object
+has begun, since only then is it likely a call; one that still fails to parse is dropped.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import jsonschema
 import openai
 import pytest
 
+from api_server.chat_pipeline import ChatDelta
+from api_server.output_blocks import BlockTracker
 from api_server.tool_calls import ForcedCallCollector
 from api_server.tool_parsers import (
     HermesParser,
@@ -194,6 +196,40 @@ def test_hermes_calls_stream_their_arguments_once_named(size):
     assert [pieces.get(c.id) for c in calls] == [calls[0].arguments, None, calls[2].arguments]
     assert [(c.name, pieces[c.id]) for c in dropped] == [("b", '{"x": tru}'), ("e", '{"cut')]
     assert set(pieces) == {c.id for c in calls + dropped if c.name != "c"}
+
+
+def test_streamed_calls_as_blocks_one_open_at_a_time():
+    """What /v1/responses and /v1/messages stream: a call's block opens with its first piece,
+    its deltas are its arguments, blocks never overlap (Anthropic's events need that), and a
+    dropped call's block closes but is not part of the answer, its text shown after it."""
+    bad = '<tool_call>{"name": "b", "arguments": {"x": tru}}</tool_call>'
+    text = 'Hi <tool_call>{"name": "a", "arguments": {"s": [1, 2]}}</tool_call>' + bad + " ok"
+    parser, tracker, events = HermesParser(), BlockTracker(), []
+    for i in range(0, len(text) + 1, 2):
+        end = i + 2 > len(text)
+        content, calls = parser.push(text[i:i + 2])
+        if end:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+        events += tracker.feed(ChatDelta(0, content=content, calls=calls,
+                                         call_deltas=parser.progress(),
+                                         dropped_calls=parser.dropped(),
+                                         finish_reason="stop" if end else None))
+    open_blocks = []
+    for e in events:
+        if e.type == "open":
+            assert not open_blocks
+            open_blocks.append(e.block)
+        else:
+            assert open_blocks == [e.block]
+            if e.type == "close":
+                open_blocks.pop()
+    assert [(b.kind, b.dropped) for b in tracker.blocks] == \
+        [("text", False), ("call", False), ("call", True), ("text", False)]
+    call = tracker.blocks[1]
+    assert sum(e.block is call and e.type == "delta" for e in events) > 1
+    assert call.text == call.call.arguments == '{"s": [1, 2]}'
+    assert [b.text for b in tracker.answer] == ["Hi ", call.text, bad + " ok"]
 
 
 # ---- through the server ------------------------------------------------------------------------
