@@ -32,17 +32,11 @@ def untied_tiny_model_dir(smollm2_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def gguf_oracle():
     """(model, tokenizer): transformers loading the default GGUF file (dequantized to float32),
-    the oracle of the tests that serve that file. Loaded once: it takes ~10 s."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    the oracle of the tests that serve that file. Loaded once."""
     from pipelines.checkpoint.default_model import find_gguf
+    from tests.gguf_oracle import load_gguf_oracle
 
-    folder, name = os.path.split(find_gguf())
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                 dtype=torch.float32).eval()
-    return model, tok
+    return load_gguf_oracle(find_gguf())
 
 
 @pytest.fixture(scope="session")

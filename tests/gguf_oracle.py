@@ -3,6 +3,9 @@ the HTTP API, and the teacher-forced agreement check against transformers on the
 (tests/test_gguf_serving.py's docstring states the criterion and why)."""
 
 import asyncio
+import os
+import shutil
+import tempfile
 
 import httpx
 import torch
@@ -56,3 +59,39 @@ def check_against_oracle(oracle, prompt_ids, generated, logprobs, stats, tie_nat
             f"oracle {mine:.4f}")
         stats["exact"] = stats.get("exact", 0) + int(token == int(oracle[j].argmax()))
         stats["total"] = stats.get("total", 0) + 1
+
+
+def load_gguf_oracle(gguf_path: str):
+    """(model, tokenizer): transformers loading `gguf_path` (`gguf_file=`, dequantized to
+    float32), saved once as a float32 checkpoint beside Loom's models: reading a GGUF file
+    through transformers takes ~30 s for SmolLM2 and ~90 s for Gemma 3 (tokenizer conversion,
+    dequantization), loading the saved copy of the same tensors a few seconds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.checkpoint.default_model import cache_dir
+
+    info = os.stat(gguf_path)
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    saved = os.path.join(cache_dir(), "oracles", f"{stem}-{info.st_size}-{info.st_mtime_ns}")
+    if not os.path.isfile(os.path.join(saved, "config.json")):
+        folder, name = os.path.split(gguf_path)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=torch.float32).eval()
+        os.makedirs(os.path.dirname(saved), mode=0o700, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".saving-", dir=os.path.dirname(saved))
+        # The GGUF "quantizer" only marks how the model was read: its tensors are float32,
+        # and saved as a plain checkpoint they load to identical logits.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tok.save_pretrained(staging)
+        try:
+            os.rename(staging, saved)  # (another session may have saved it meanwhile)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+        return model, tok
+    tok = AutoTokenizer.from_pretrained(saved)
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    return model, tok

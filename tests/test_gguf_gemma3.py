@@ -31,7 +31,6 @@ min_tokens have been generated.
 """
 
 import importlib.util
-import os
 
 import httpx
 import pytest
@@ -44,9 +43,13 @@ if _MISSING:
                 f"`make setup` installs them", allow_module_level=True)
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs  # noqa: E402
+from tests.gguf_oracle import (  # noqa: E402
+    check_against_oracle,
+    generate,
+    load_gguf_oracle,
+    oracle_logprobs,
+)
 from tests.helpers import start_server  # noqa: E402
 
 TIE_NATS = 0.5
@@ -87,11 +90,7 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def oracle(gguf_path):
-    folder, name = os.path.split(gguf_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                 dtype=torch.float32).eval()
-    return model, tok
+    return load_gguf_oracle(gguf_path)
 
 
 @pytest.fixture(scope="module")
