@@ -33,18 +33,26 @@ def test_openapi_document_lists_every_route(server):
 
 
 SCHEMATHESIS = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+# CPython before 3.11.8 (gh-106905): ast.parse after a caught RecursionError in the same thread
+# fails this way; hypothesis parses lambdas' source to describe recursive strategies, so the
+# fuzzer itself sometimes dies generating a recursive schema's example. Then it runs again.
+CPYTHON_AST_BUG = "AST constructor recursion depth mismatch"
 
 
 @pytest.mark.skipif(not os.path.exists(SCHEMATHESIS), reason="schemathesis is not installed")
 def test_schemathesis_finds_no_server_errors(server):
-    exe = SCHEMATHESIS
-    result = subprocess.run(
-        [exe, "run", server.url + "/openapi.json",
-         "--checks", "not_a_server_error,response_schema_conformance,status_code_conformance,"
-                     "content_type_conformance",
-         "--max-examples", "200", "--max-time", "55", "--seed", "7",
-         "--request-timeout", "20", "--suppress-health-check", "all", "--workers", "2"],
-        capture_output=True, text=True, timeout=300)
+    def fuzz():
+        return subprocess.run(
+            [SCHEMATHESIS, "run", server.url + "/openapi.json",
+             "--checks", "not_a_server_error,response_schema_conformance,"
+                         "status_code_conformance,content_type_conformance",
+             "--max-examples", "200", "--max-time", "55", "--seed", "7",
+             "--request-timeout", "20", "--suppress-health-check", "all", "--workers", "2"],
+            capture_output=True, text=True, timeout=300)
+
+    result = fuzz()
+    if result.returncode != 0 and CPYTHON_AST_BUG in result.stdout:
+        result = fuzz()  # the generator crashed inside the interpreter, not on a response
     tail = result.stdout[-4000:]
     assert result.returncode == 0, tail
     assert "passed" in tail
