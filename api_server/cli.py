@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a GPU, the fraction of its memory for weights, activations and "
                         "the KV cache (sized from what is free after a profiling forward) "
                         "unless --kv-cache-memory is given")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run every step's kernels one by one: no CUDA graphs of the "
+                        "decode step (as vLLM's flag; slower, for debugging and comparison)")
     s.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=DeviceConfig.tensor_parallel_size,
                    help="split the model over this many worker processes (heads and MLP "
@@ -211,6 +214,11 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
 
 
 def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    # (Flags first: a wrong one is named even where the model cannot be found.)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise StartupError(f"--device {args.device}: not auto, cpu, cuda or cuda:N")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise StartupError("--gpu-memory-utilization must be in (0, 1]")
     if args.model is None:
         from pipelines.checkpoint.default_model import DEFAULT_MODEL_NAME, find_gguf
 
@@ -229,10 +237,6 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     check_kv_events(args)
     task = resolve_task(args.task, model_dir)
     check_tensor_parallel(args.tensor_parallel_size, task)
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
-        raise StartupError(f"--device {args.device}: not auto, cpu, cuda or cuda:N")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise StartupError("--gpu-memory-utilization must be in (0, 1]")
     model = ServedModelConfig(
         model_dir=model_dir, served_model_name=name, dtype=dtype, quantization=quantization,
         max_model_len=args.max_model_len, task=task)
@@ -263,6 +267,7 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
                                 max_num_batched_tokens=args.max_num_batched_tokens),
         device=DeviceConfig(device=args.device,
                             gpu_memory_utilization=args.gpu_memory_utilization,
+                            cuda_graphs=not args.enforce_eager,
                             num_threads=args.num_threads,
                             cpu_placement=not args.no_cpu_placement,
                             tensor_parallel_size=args.tensor_parallel_size),

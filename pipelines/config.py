@@ -49,6 +49,7 @@ class BatchingConfig:
 class DeviceConfig:
     device: str = "auto"  # the worker's model: "cpu", "cuda[:N]", or "auto" (CUDA if present)
     gpu_memory_utilization: float = 0.9  # of a GPU's memory, for weights + activations + KV
+    cuda_graphs: bool = True  # decode-only steps replay CUDA graphs (worker/cuda_graphs.py)
     num_threads: int | None = None  # the worker's; None: every core
     cpu_placement: bool = True  # bind the worker's threads, keep the others off its core
     # Worker processes one model is split over (worker/tensor_parallel.py); the threads above

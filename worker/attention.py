@@ -173,6 +173,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _decode_only_on_gpu(q: torch.Tensor, k_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> bool:
+    """A step on a GPU whose only group is the decodes: its rows are the step's rows, in
+    order (one query token per sequence), so the kernel reads q and writes its output whole."""
+    if not q.is_cuda or len(meta.groups) != 1:
+        return False
+    group = meta.groups[0]
+    if not group.single_query or group.window is not None:
+        return False
+    from worker import triton_attention
+
+    return triton_attention.available(k_cache, prefill=False)
+
+
 def _gpu_kernels(group: AttentionGroup, q, k_cache, v_cache, out, scale) -> bool:
     """The group's attention by the Triton kernels (worker/triton_attention.py), written into
     `out`; False if they do not apply (no Triton, blocks under 16 tokens for a prefill)."""
@@ -202,6 +216,12 @@ def paged_attention(
     """Attention of q over the cache, which already holds this step's k and v (`store_kv`);
     k and v themselves are read only by prompts with nothing cached before them."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    if _decode_only_on_gpu(q, k_cache, meta):  # (every row decodes: no gather, no scatter)
+        from worker import triton_attention
+
+        group = meta.groups[0]
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache,
+                                                       group.block_tables, group.seq_lens, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for group in meta.groups:
         batch = group.block_tables.shape[0]

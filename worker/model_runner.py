@@ -22,6 +22,7 @@ from serialization.messages import (
     TokenLogprobs,
 )
 from worker.block_weights import load_block_weights, quantize_weights
+from worker.cuda_graphs import GRAPH_SAFE_ARCHITECTURES, SINK_BLOCKS, DecodeGraphs
 from worker.device import (
     dtype_name,
     gpu_kv_cache_budget,
@@ -85,8 +86,16 @@ class ModelRunner:
         self.samples = self.tp is None or self.tp.rank == 0
         self.grammars = GrammarCompiler(cfg.tokenizer_dir or cfg.model_dir) if self.samples \
             else None
-        self.kv_cache = allocate_kv_cache(shard, self.dtype, self.num_blocks, cfg.block_size,
-                                          self.device)
+        graphs = self._uses_cuda_graphs()
+        # (With graphs, one block more than the scheduler knows of: padded rows write there.)
+        self.kv_cache = allocate_kv_cache(shard, self.dtype,
+                                          self.num_blocks + (SINK_BLOCKS if graphs else 0),
+                                          cfg.block_size, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, cfg.block_size,
+                                       self.max_model_len, cfg.max_num_seqs, self.num_blocks)
+            self.graphs.capture()
         self.requests: dict[str, RequestSamplingState] = {}
         self.failing: set[str] = set()  # requests that failed alone (their state says why)
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
@@ -98,6 +107,12 @@ class ModelRunner:
             kv_bytes / (1 << 30), self.num_blocks, cfg.block_size,
             self.num_blocks * cfg.block_size,
         )
+
+    def _uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on one GPU, for the architectures whose forward
+        can be captured, unless --enforce-eager."""
+        return (self.cfg.cuda_graphs and self.device.type == "cuda" and self.tp is None
+                and self.config.architecture in GRAPH_SAFE_ARCHITECTURES)
 
     def _kv_cache_bytes(self, shard: ModelConfig) -> int:
         """This worker's KV cache budget. On a GPU: --kv-cache-memory, or what
@@ -178,12 +193,22 @@ class ModelRunner:
         # (A rank that does not sample computes no logits: rows of none.)
         rows = [last_rows_of(step)[sample_seqs] if self.samples else np.zeros(0, np.int64)]
         rows += [p.rows for p in echo_plans]
-        inputs = self.model.prepare_initial_token_inputs(
-            step, torch.from_numpy(_realize_future_tokens(step, states)),
-            torch.from_numpy(np.concatenate(rows)), len(rows[0]), self.kv_cache,
-            self.block_size).to(self.device)
+        input_ids = _realize_future_tokens(step, states)
         with torch.inference_mode():
-            outputs = self.model.execute(inputs).to_host()
+            if self.graphs is not None and not echo_plans and self.graphs.fits(step):
+                # (Decode-only: sampling rows are sequences; the logits-processing and
+                # log-probability paths read only the outputs, so no ModelInputs is built.)
+                inputs = None
+                logits = self.graphs.run(step, input_ids)
+                if len(rows[0]) < num_seqs:  # (a failed sequence's row left out)
+                    logits = logits[torch.from_numpy(rows[0]).to(logits.device)]
+                logits = logits.cpu()
+                outputs = ModelOutputs(next_token_logits=logits, logits=logits)
+            else:
+                inputs = self.model.prepare_initial_token_inputs(
+                    step, torch.from_numpy(input_ids), torch.from_numpy(np.concatenate(rows)),
+                    len(rows[0]), self.kv_cache, self.block_size).to(self.device)
+                outputs = self.model.execute(inputs).to_host()
             if outputs.failed_requests:  # (an image that failed to encode: rows discarded)
                 for i, rid in enumerate(step.request_ids):
                     if rid in outputs.failed_requests:
@@ -258,7 +283,7 @@ class ModelRunner:
         self.failing.discard(request_id)
         self.model.release(request_id)
 
-    def _sample(self, out: StepResult, inputs: ModelInputs, outputs: ModelOutputs,
+    def _sample(self, out: StepResult, inputs: ModelInputs | None, outputs: ModelOutputs,
                 states: list[RequestSamplingState], sample_seqs: np.ndarray,
                 failed: dict[int, str]) -> None:
         """A token for each of `sample_seqs`, drawn as one batch. A row whose logits
@@ -295,7 +320,7 @@ class ModelRunner:
         for j, error in errors.items():
             failed.setdefault(int(sample_seqs[j]), error)
 
-    def _logprobs(self, inputs: ModelInputs, outputs: ModelOutputs, tokens: torch.Tensor,
+    def _logprobs(self, inputs: ModelInputs | None, outputs: ModelOutputs, tokens: torch.Tensor,
                   top_n: list[int], errors: dict[int, str]) -> TokenLogprobs | None:
         """The sampled tokens' log probabilities for the rows that asked (`top_n`), all at
         once; should that raise, row by row, a row that raises failing alone (its top_n

@@ -33,6 +33,7 @@ class RunnerConfig:
     speech_noise: bool = SpeechConfig.noise
     device: str = DeviceConfig.device
     gpu_memory_utilization: float = DeviceConfig.gpu_memory_utilization
+    cuda_graphs: bool = DeviceConfig.cuda_graphs
     tensor_parallel_size: int = DeviceConfig.tensor_parallel_size
     rank: int = 0  # of this worker among tensor_parallel_size (0: the one that samples)
 
@@ -47,4 +48,5 @@ class RunnerConfig:
                    speech=cfg.speech.enabled, speech_noise=cfg.speech.noise,
                    tensor_parallel_size=cfg.device.tensor_parallel_size,
                    device=cfg.device.device,
-                   gpu_memory_utilization=cfg.device.gpu_memory_utilization)
+                   gpu_memory_utilization=cfg.device.gpu_memory_utilization,
+                   cuda_graphs=cfg.device.cuda_graphs)

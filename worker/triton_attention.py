@@ -3,7 +3,8 @@
 Same contracts as the CPU kernels (`worker/decode_attention.py`, `worker/prefill_attention.py`),
 so `paged_attention` picks by device:
 - decode: one program per (sequence, key/value head) reads that head's blocks once through the
-  block table and attends all the query heads of its group (GQA) with an online softmax;
+  block table and attends all the query heads of its group (GQA) with an online softmax, the
+  group's heads as the rows of tensor-core matrix products;
 - prefill chunks over a cached prefix: one program per (sequence, query head, tile of query
   rows) walks the blocks up to the tile's last position, causal (a query at position p sees
   keys 0..p), flash-attention style. The chunk's own K/V are already in the cache (store_kv).
@@ -24,6 +25,7 @@ except ImportError:  # (a CPU-only install: the GPU path is never taken there)
     triton = None
 
 PREFILL_TILE = 16  # query rows per program
+DECODE_KEYS = 64  # keys per iteration of a decode program
 
 
 def available(k_cache: torch.Tensor, prefill: bool) -> bool:
@@ -38,7 +40,8 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot,
                        stride_oh, stride_tb, group, head_dim,
-                       BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                       KEYS: tl.constexpr, IEEE: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         heads = kv_head * group + tl.arange(0, BLOCK_G)
@@ -46,26 +49,39 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_dim
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         seq_len = tl.load(lens_ptr + seq)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        s = tl.arange(0, BLOCK_SIZE)
-        for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-            block = tl.load(tables_ptr + seq * stride_tb + j).to(tl.int64)
-            s_ok = j * BLOCK_SIZE + s < seq_len
-            offs = block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        # KEYS keys (several blocks) per iteration: fewer dependent table -> K/V round trips,
+        # which bound a short batch's step (8 programs per layer at batch 1 on a 1B model).
+        s = tl.arange(0, KEYS)
+        for j in range(0, tl.cdiv(seq_len, KEYS)):
+            key_pos = j * KEYS + s
+            s_ok = key_pos < seq_len
+            block = tl.load(tables_ptr + seq * stride_tb + key_pos // BLOCK_SIZE, mask=s_ok,
+                            other=0).to(tl.int64)
+            offs = (block[:, None] * stride_kb + (key_pos % BLOCK_SIZE)[:, None] * stride_ks
+                    + kv_head * stride_kh + d[None, :])
             kv_mask = s_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_SIZE]
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+            # The group's query heads as the rows of a matrix product (padded to 16, the
+            # tensor cores' least): one dot per KEYS keys instead of a broadcast-and-sum.
+            if IEEE:  # (float32 as float32: TF32's products would change a float32 model)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G, KEYS]
             scores = tl.where(s_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m = m_new
         out = acc / denom[:, None]
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -143,8 +159,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0), group, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        KEYS=max(block_size, DECODE_KEYS), IEEE=q.dtype == torch.float32)
     return out
 
 

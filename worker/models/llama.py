@@ -4,7 +4,8 @@ Every step runs one forward over a flat array of tokens from many sequences; lin
 all of them at once, attention goes through `paged_attention`. Q/K/V and gate/up projections are
 fused into one matmul each at load time. The residual stream travels beside the hidden state
 (as in vLLM and nano-vllm) so each residual add fuses with the norm after it; in float32 the
-norms, rotary + KV store and SiLU-and-mul run as single native passes (`worker/layer_ops.py`).
+norms, rotary + KV store and SiLU-and-mul run as single native passes (`worker/layer_ops.py`),
+and on a GPU as single Triton kernels in any dtype (`worker/gpu_layer_ops.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig
-from worker import layer_ops
+from worker import gpu_layer_ops, layer_ops
 from worker.attention import AttentionMetadata, paged_attention, store_kv
 from worker.pipeline_model import PagedCausalLM
 from worker.tensor_parallel import all_reduce
@@ -31,10 +32,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rmsnorm(x); with `residual`: (rmsnorm(residual + x), residual + x)."""
-        if layer_ops.applies(x) and x.dim() == 2:
+        ops = _fused_ops(x)
+        if ops is not None and x.dim() == 2:
             if residual is None:
-                return layer_ops.rms_norm(x, self.weight, self.eps)
-            return layer_ops.add_rms_norm(residual, x, self.weight, self.eps), residual
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.add_rms_norm(residual, x, self.weight, self.eps), residual
         if residual is None:
             return self._norm(x)
         residual = residual + x
@@ -71,9 +73,19 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def rotate_and_store(self, qkv, heads, kv_heads, head_dim, meta, k_cache, v_cache) -> None:
-        """The fused float32 path: rotary on q and k inside qkv, then k and v to the cache."""
-        layer_ops.rope_store_kv(qkv, heads, kv_heads, head_dim, meta.positions, self.cos,
-                                self.sin, k_cache, v_cache, meta.slot_mapping)
+        """The fused path: rotary on q and k inside qkv, then k and v to the cache."""
+        _fused_ops(qkv).rope_store_kv(qkv, heads, kv_heads, head_dim, meta.positions,
+                                      self.cos, self.sin, k_cache, v_cache, meta.slot_mapping)
+
+
+def _fused_ops(x: torch.Tensor):
+    """The fused element-wise ops for x: C on the CPU in float32 (layer_ops), Triton on a
+    GPU in any dtype (gpu_layer_ops), else None (PyTorch's ops)."""
+    if layer_ops.applies(x):
+        return layer_ops
+    if gpu_layer_ops.applies(x):
+        return gpu_layer_ops
+    return None
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -122,8 +134,7 @@ class Attention(nn.Module):
     def forward(self, x, rotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        fused = self.q_norm is None and layer_ops.applies(qkv) \
-            and qkv.is_contiguous()
+        fused = self.q_norm is None and _fused_ops(qkv) is not None and qkv.is_contiguous()
         if fused:
             rotary.rotate_and_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, meta,
                                     k_cache, v_cache)
@@ -152,8 +163,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if layer_ops.applies(gate_up) and gate_up.dim() == 2:
-            return all_reduce(self.down_proj(layer_ops.silu_mul(gate_up)))
+        ops = _fused_ops(gate_up)
+        if ops is not None and gate_up.dim() == 2:
+            return all_reduce(self.down_proj(ops.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return all_reduce(self.down_proj(F.silu(gate) * up))
 
