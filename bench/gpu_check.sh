@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/gpu_check.sh: the GPU worker on a real GPU, in one run of at most ~7 minutes (a lent
 # GPU machine has PyTorch, Triton and transformers; the rest travels as wheels in .whl/, the
-# SmolLM2 tokenizer in .gpu/tokenizer/: see docs/performance.md, "On a GPU").
+# SmolLM2 tokenizer in .gpu/tokenizer/, both made by bench/gpu_prepare.sh; results: docs/performance.md).
 #
 #   OUT=/tmp/gpu-check bash bench/gpu_check.sh          # every stage: $OUT/gpu-check.tgz
 #   STAGES="steps serve_graphs" bash bench/gpu_check.sh  # some of them (models are rebuilt)
