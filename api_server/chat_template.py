@@ -192,7 +192,7 @@ def _serve_renders(conn, memory_bytes: int) -> None:
     """The sandbox child: render each job it is sent with transformers' Jinja environment."""
     import resource
 
-    from serialization.lifecycle import die_with_parent, ignore_interrupts
+    from processes.lifecycle import die_with_parent, ignore_interrupts
 
     die_with_parent()
     ignore_interrupts()

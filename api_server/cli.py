@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     except (StartupError, FileNotFoundError) as exc:
         print(f"loom: error: {exc}", file=sys.stderr)
         return 1
-    from serialization.lifecycle import setup_logging
+    from processes.lifecycle import setup_logging
 
     setup_logging(cfg.server.log_level)
     return serve(cfg)

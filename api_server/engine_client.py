@@ -22,6 +22,7 @@ from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
 from pipelines.tts_context import TTSContext
 from pipelines.vision_context import IMAGES_NOT_HELD, TextAndVisionContext
+from processes.sockets import Endpoints, decode_or_drop, make_socket
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioChunk,
@@ -31,7 +32,6 @@ from serialization.messages import (
     SchedulerFailed,
     SchedulerReady,
 )
-from serialization.sockets import Endpoints, decode_or_drop, make_socket
 
 logger = logging.getLogger("loom.api")
 

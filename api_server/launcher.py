@@ -35,13 +35,13 @@ from pipelines.checkpoint.bert_config import BertConfig
 from pipelines.checkpoint.model_config import load_model_config, resolve_max_model_len
 from pipelines.config import PipelineConfig, ServerConfig
 from pipelines.status import PipelineTask
-from serialization.cpu_placement import CpuPlacement
-from serialization.lifecycle import freeze_startup_heap, run_role
-from serialization.sockets import Endpoints, make_private_ipc_dir
+from processes.cpu_placement import CpuPlacement
+from processes.lifecycle import freeze_startup_heap, run_role
+from processes.sockets import Endpoints, make_private_ipc_dir
 
 logger = logging.getLogger("loom")
 
-# The children's entry points, by name (serialization.lifecycle.run_role imports them there).
+# The children's entry points, by name (processes.lifecycle.run_role imports them there).
 WORKER_ENTRY = "worker.process:run_worker"
 SCHEDULER_ENTRY = "scheduler.process:run_scheduler"
 

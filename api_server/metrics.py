@@ -22,8 +22,8 @@ from starlette.responses import Response
 
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
+from processes.sockets import malformed_frame_counts
 from serialization.messages import SchedulerStats
-from serialization.sockets import malformed_frame_counts
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)

@@ -21,7 +21,7 @@ from bench.prompts import PromptSource
 from bench.server_metrics import level_breakdown, scrape
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import percentile
-from serialization.cpu_placement import short_time_slice
+from processes.cpu_placement import short_time_slice
 
 
 @dataclass

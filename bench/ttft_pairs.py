@@ -24,7 +24,7 @@ from bench.prompts import prompt_ids
 from bench.server_metrics import PREFIX, scrape
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import median, percentile
-from serialization.cpu_placement import short_time_slice
+from processes.cpu_placement import short_time_slice
 
 PROMPT_INDEX_BASE = 2_000_000  # clear of the load test's and the ceiling's own prompts
 OUTPUT_TOKENS = 4  # enough for a first text-carrying chunk whatever the detokenizer holds back

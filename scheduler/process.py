@@ -22,6 +22,20 @@ from pipelines.config import BatchingConfig, KVCacheConfig
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus, PipelineTask
 from pipelines.vision_context import IMAGES_NOT_HELD, TextAndVisionContext
+from processes.cpu_placement import CpuPlacement
+from processes.lifecycle import (
+    die_with_parent,
+    freeze_startup_heap,
+    ignore_interrupts,
+    setup_logging,
+)
+from processes.sockets import (
+    MAX_MESSAGE_BYTES,
+    Endpoints,
+    decode_or_drop,
+    make_socket,
+    malformed_frame_counts,
+)
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
 from scheduler.fair_share import FairShare
@@ -32,13 +46,6 @@ from scheduler.speech_queue import SpeechQueue
 from scheduler.step_source import SentStep, StepSource
 from scheduler.text_source import TextSource
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
-from serialization.cpu_placement import CpuPlacement
-from serialization.lifecycle import (
-    die_with_parent,
-    freeze_startup_heap,
-    ignore_interrupts,
-    setup_logging,
-)
 from serialization.messages import (
     CancelRequest,
     RequestMessage,
@@ -49,13 +56,6 @@ from serialization.messages import (
     Shutdown,
     WorkerFailed,
     WorkerReady,
-)
-from serialization.sockets import (
-    MAX_MESSAGE_BYTES,
-    Endpoints,
-    decode_or_drop,
-    make_socket,
-    malformed_frame_counts,
 )
 
 logger = logging.getLogger("loom.scheduler")

@@ -12,6 +12,7 @@ from pipelines import (
     TextContext,
     TextGenerationOutput,
 )
+from processes.sockets import decode_or_drop
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     CancelRequest,
@@ -31,7 +32,6 @@ from serialization.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from serialization.sockets import decode_or_drop
 
 encode = msgpack_numpy_encoder()
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from serialization.cpu_placement import SERVICE_SLICE_NS, CpuPlacement, short_time_slice
+from processes.cpu_placement import SERVICE_SLICE_NS, CpuPlacement, short_time_slice
 from tests.helpers import start_server
 
 

@@ -16,9 +16,9 @@ from pipelines import SamplingParams
 from pipelines.context import TextContext
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus
+from processes.sockets import Endpoints, make_socket
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import CancelRequest, RequestMessage, ResponseBatch
-from serialization.sockets import Endpoints, make_socket
 
 
 class StandInScheduler:

@@ -1,6 +1,6 @@
 """The packages import along the process boundaries: the API process (api_server/) imports
-nothing of the worker or the scheduler, which run in other processes; pipelines/ and
-serialization/, which all three processes import, import none of the three roles.
+nothing of the worker or the scheduler, which run in other processes; pipelines/,
+serialization/ and processes/, which all three processes import, import none of the three roles.
 
 Imports are read from the source (every `import` and `from` statement, inside functions
 too), and `loom serve`'s own modules are imported to see what they pull in."""
@@ -20,10 +20,11 @@ ROLES = {"api_server", "scheduler", "worker"}
 # What each package may import of the others. worker/pipeline.py drives the real Scheduler in
 # one process (TextGenerationPipeline), so the worker may import the scheduler's policy.
 ALLOWED = {
-    "api_server": {"pipelines", "serialization"},
-    "scheduler": {"pipelines", "serialization"},
-    "worker": {"pipelines", "serialization", "scheduler"},
+    "api_server": {"pipelines", "serialization", "processes"},
+    "scheduler": {"pipelines", "serialization", "processes"},
+    "worker": {"pipelines", "serialization", "processes", "scheduler"},
     "serialization": {"pipelines"},
+    "processes": set(),
     "pipelines": set(),
 }
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-PACKAGES = ("api_server", "scheduler", "worker", "serialization", "pipelines")
+PACKAGES = ("api_server", "scheduler", "worker", "serialization", "processes", "pipelines")
 KERNEL_SOURCES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "worker",
                                                                             "kernels", "*.[ch]")))
 

@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from pipelines.context import TextContext
-from serialization import sockets
+from processes import sockets
+from processes.sockets import Endpoints, decode_or_drop, make_socket
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     CancelRequest,
@@ -22,7 +23,6 @@ from serialization.messages import (
     StepResult,
     WorkerReady,
 )
-from serialization.sockets import Endpoints, decode_or_drop, make_socket
 
 encode = msgpack_numpy_encoder()
 decode_result = msgpack_numpy_decoder(ResultMessage)
@@ -130,7 +130,7 @@ def test_random_bytes_are_dropped_not_raised():
 def test_a_flood_of_bad_frames_logs_a_line_per_interval(caplog, monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(sockets.time, "monotonic", lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="serialization.sockets"):
+    with caplog.at_level(logging.WARNING, logger="processes.sockets"):
         for _ in range(1000):
             decode_or_drop(decode_result, b"\xc1", "requests")
         assert len(caplog.records) == 1
@@ -300,8 +300,8 @@ def test_malformed_frames_reach_the_metrics_endpoint():
     import asyncio
 
     from api_server.metrics import Metrics
+    from processes.sockets import decode_or_drop, malformed_frame_counts
     from serialization.messages import ResponseMessage, SchedulerStats
-    from serialization.sockets import decode_or_drop, malformed_frame_counts
 
     before = malformed_frame_counts().get("responses", 0)
     decode_or_drop(msgpack_numpy_decoder(ResponseMessage), b"\xc1garbage", "responses")

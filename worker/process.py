@@ -13,14 +13,15 @@ import zmq
 
 from pipelines.config import PipelineConfig
 from pipelines.status import PipelineTask
-from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
-from serialization.cpu_placement import CpuPlacement, short_time_slice, worker_threads
-from serialization.lifecycle import (
+from processes.cpu_placement import CpuPlacement, short_time_slice, worker_threads
+from processes.lifecycle import (
     die_with_parent,
     freeze_startup_heap,
     ignore_interrupts,
     setup_logging,
 )
+from processes.sockets import MAX_MESSAGE_BYTES, Endpoints, decode_or_drop, make_socket
+from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     AudioResult,
     AudioStep,
@@ -33,7 +34,6 @@ from serialization.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from serialization.sockets import MAX_MESSAGE_BYTES, Endpoints, decode_or_drop, make_socket
 from worker.runner_config import RunnerConfig
 
 logger = logging.getLogger("loom.worker")

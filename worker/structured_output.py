@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pipelines.grammar import grammar_for_json_schema
-from serialization.cpu_placement import worker_threads
+from processes.cpu_placement import worker_threads
 from worker.sampler import describe
 
 logger = logging.getLogger(__name__)
