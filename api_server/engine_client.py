@@ -19,8 +19,8 @@ from api_server.metrics import Metrics, RequestClock
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
+from pipelines.speech_context import TTSContext
 from pipelines.status import GenerationStatus
-from pipelines.tts_context import TTSContext
 from pipelines.vision_context import IMAGES_NOT_HELD, TextAndVisionContext
 from processes.sockets import Endpoints, decode_or_drop, make_socket
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder

@@ -27,7 +27,7 @@ from api_server.openai_routes import error_response
 from api_server.protocol import RequestError
 from api_server.server_state import ServerState
 from api_server.speech_text import MAX_INPUT_CHARS, text_to_segments
-from pipelines.tts_context import TTSContext
+from pipelines.speech_context import TTSContext
 
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 _json = msgspec.json.Encoder()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from api_server import speech_text
-from worker import tts
+from worker import speech
 
 TEXT = (
     "Speech synthesis turns written language into sound, and a good system has to "
@@ -51,7 +51,7 @@ def stream(voice: Any, text: str) -> tuple[float, float, float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     first = None
     samples = 0
-    for pcm in tts.synthesize_segments(voice, speech_text.text_to_segments(text)):
+    for pcm in speech.synthesize_segments(voice, speech_text.text_to_segments(text)):
         first = first if first is not None else time.perf_counter() - wall
         samples += len(pcm)
     total = time.perf_counter() - wall
@@ -75,7 +75,7 @@ def batch_throughput(voice: Any, batch_size: int) -> tuple[float, float]:
 def run(threads: int, spinning: bool, batch_sizes: Sequence[int]) -> None:
     print(f"\n== intra_op_threads={threads} allow_spinning={spinning}")
     voice, load_s, _ = timed(
-        lambda: tts.load_default_voice(
+        lambda: speech.load_default_voice(
             intra_op_threads=threads, allow_spinning=spinning
         )
     )

@@ -8,14 +8,14 @@ class FairShare:
     either kind alone runs back to back (and the account starts again)."""
 
     def __init__(self) -> None:
-        self.busy = {"text": 0.0, "audio": 0.0}
+        self.busy = {"text": 0.0, "speech": 0.0}
 
     def record(self, kind: str, seconds: float) -> None:
         if kind in self.busy:  # (embeddings run alone)
             self.busy[kind] += seconds
 
-    def audio_next(self, text_waiting: bool, audio_waiting: bool) -> bool:
-        if not (text_waiting and audio_waiting):
-            self.busy = {"text": 0.0, "audio": 0.0}
-            return audio_waiting
-        return self.busy["audio"] <= self.busy["text"]
+    def speech_next(self, text_waiting: bool, speech_waiting: bool) -> bool:
+        if not (text_waiting and speech_waiting):
+            self.busy = {"text": 0.0, "speech": 0.0}
+            return speech_waiting
+        return self.busy["speech"] <= self.busy["text"]

@@ -238,7 +238,7 @@ class SchedulerLoop:
         (and text that cannot run yet lets speech go)."""
         if self.text not in self.sources:
             return self.sources
-        if self.fair_share.audio_next(self.text.has_work, self.speech.has_work):
+        if self.fair_share.speech_next(self.text.has_work, self.speech.has_work):
             return [self.speech]
         return self.sources
 

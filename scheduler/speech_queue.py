@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipelines.tts_context import TTSContext
+from pipelines.speech_context import TTSContext
 from serialization.messages import AudioChunk, AudioResult, AudioStep, ResponseBatch
 
 
 class SpeechQueue:
-    kind = "audio"
+    kind = "speech"
     context_type = TTSContext
     result_type = AudioResult
 

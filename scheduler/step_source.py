@@ -11,7 +11,7 @@ from serialization.messages import ResponseBatch
 
 
 class StepSource(Protocol):
-    kind: str  # "text", "embed" or "audio": its share of the worker's time is kept by kind
+    kind: str  # "text", "embed" or "speech": its share of the worker's time is kept by kind
     context_type: type  # what it takes from the requests socket
     result_type: type  # what answers its steps on the results socket
 

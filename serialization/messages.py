@@ -22,8 +22,8 @@ from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
+from pipelines.speech_context import TTSContext
 from pipelines.status import PipelineTask
-from pipelines.tts_context import TTSContext
 from pipelines.vision_context import TextAndVisionContext
 
 

@@ -130,13 +130,13 @@ def test_fair_share_splits_the_worker_between_text_and_speech():
     from scheduler.fair_share import FairShare
 
     share = FairShare()
-    assert share.audio_next(text_waiting=False, audio_waiting=True)
-    assert not share.audio_next(text_waiting=True, audio_waiting=False)
+    assert share.speech_next(text_waiting=False, speech_waiting=True)
+    assert not share.speech_next(text_waiting=True, speech_waiting=False)
     turns = []
     for _ in range(12):  # both waiting: text steps of 10 ms, speech chunks of 30 ms
-        audio = share.audio_next(True, True)
-        share.record("audio" if audio else "text", 0.03 if audio else 0.01)
-        turns.append(audio)
+        speech = share.speech_next(True, True)
+        share.record("speech" if speech else "text", 0.03 if speech else 0.01)
+        turns.append(speech)
     assert turns.count(False) == 3 * turns.count(True)  # equal time, not equal turns
-    share.audio_next(False, True)  # text done: the account starts again
-    assert share.busy == {"text": 0.0, "audio": 0.0}
+    share.speech_next(False, True)  # text done: the account starts again
+    assert share.busy == {"text": 0.0, "speech": 0.0}

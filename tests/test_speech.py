@@ -13,11 +13,11 @@ import numpy as np
 import openai
 import pytest
 
-import worker.tts as tts
 from api_server import speech_text
 from tests.helpers import start_server
+from worker.speech import is_available, load_default_voice, synthesize_segments
 
-pytestmark = pytest.mark.skipif(not tts.is_available(), reason="the [tts] extra is not installed")
+pytestmark = pytest.mark.skipif(not is_available(), reason="the [tts] extra is not installed")
 
 VOICE = "piper-en_US-joe-medium"
 TEXT = "Hello there. This is Loom, speaking through the same processes as the text model."
@@ -34,7 +34,7 @@ def server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def direct_voice():
-    return tts.load_default_voice().with_noise(0.0, 0.0)
+    return load_default_voice().with_noise(0.0, 0.0)
 
 
 def speech(server, **body):
@@ -49,7 +49,7 @@ def test_wav_equals_the_voice_run_directly(server, direct_voice):
     with wave.open(io.BytesIO(r.content)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (22050, 1, 2)
         got = np.frombuffer(w.readframes(10**9), dtype="<i2")
-    want = np.concatenate(list(tts.synthesize_segments(direct_voice, speech_text.text_to_segments(TEXT))))
+    want = np.concatenate(list(synthesize_segments(direct_voice, speech_text.text_to_segments(TEXT))))
     assert len(got) == len(want)
     assert np.abs(got.astype(np.int32) - want).max() <= 1  # same samples (rounding aside)
     assert np.abs(got).max() > 1000  # not silence
@@ -95,7 +95,7 @@ def test_sse_stream(server, direct_voice):
     assert events[-1]["type"] == "speech.audio.done"
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert events[-1]["usage"]["output_tokens"] == len(pcm) // 2
-    want = np.concatenate(list(tts.synthesize_segments(direct_voice, speech_text.text_to_segments(TEXT))))
+    want = np.concatenate(list(synthesize_segments(direct_voice, speech_text.text_to_segments(TEXT))))
     assert len(pcm) // 2 == len(want)
 
 
@@ -154,7 +154,7 @@ def test_speech_queue_forgets_cancellations_of_other_requests():
     """The cancel channel carries text and embeddings ids too: they must leave no trace."""
     import numpy as np
 
-    from pipelines.tts_context import TTSContext
+    from pipelines.speech_context import TTSContext
     from scheduler.speech_queue import SpeechQueue
 
     queue = SpeechQueue()

@@ -19,12 +19,12 @@ logger = logging.getLogger(__name__)
 
 class SpeechRunner:
     def __init__(self, noise: bool = True) -> None:
-        import worker.tts as tts
+        import worker.speech as speech
 
         self._noise = noise
-        self._tts = tts
-        self.voice_id = tts.VOICE_ID
-        self.sample_rate = tts.default_voice_config().sample_rate
+        self._speech = speech
+        self.voice_id = speech.VOICE_ID
+        self.sample_rate = speech.default_voice_config().sample_rate
         self._voice = None
         self._error: Exception | None = None
         self._ready = threading.Event()
@@ -33,10 +33,10 @@ class SpeechRunner:
     @staticmethod
     def available() -> bool:
         try:
-            import worker.tts as tts
+            import worker.speech as speech
         except ImportError:
             return False
-        return tts.is_available()
+        return speech.is_available()
 
     @property
     def decoder_sample_rate(self) -> int:
@@ -44,8 +44,8 @@ class SpeechRunner:
 
     def _load(self) -> None:
         try:
-            voice = self._tts.load_default_voice(intra_op_threads=1, allow_spinning=False)
-            self._tts.warm_up(voice)
+            voice = self._speech.load_default_voice(intra_op_threads=1, allow_spinning=False)
+            self._speech.warm_up(voice)
             self._voice = voice if self._noise else voice.with_noise(0.0, 0.0)
             logger.info("voice %s loaded (%d Hz)", self.voice_id, self.sample_rate)
         except Exception as exc:
@@ -59,5 +59,5 @@ class SpeechRunner:
         if self._voice is None:
             return AudioResult(step_id=step.step_id, audio=np.zeros(0, np.int16),
                                error=f"the voice is unavailable: {self._error}")
-        audio = self._tts.to_int16(self._voice.synthesize(step.phoneme_ids.tolist(), step.speed))
+        audio = self._speech.to_int16(self._voice.synthesize(step.phoneme_ids.tolist(), step.speed))
         return AudioResult(step_id=step.step_id, audio=np.ascontiguousarray(audio, np.int16))

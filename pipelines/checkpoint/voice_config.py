@@ -1,6 +1,6 @@
 """The voice's JSON config (``<model>.onnx.json``), reduced to what synthesis needs: the API
 process turns text into its phoneme ids (api_server/speech_text.py), the worker runs the voice
-(worker/tts/).
+(worker/speech/).
 
 Parsed here rather than with ``piper.config`` so that running the model needs only
 onnxruntime + numpy; piper-tts (GPL) is needed for phonemization only.

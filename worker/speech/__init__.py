@@ -19,7 +19,7 @@ it, so phonemizing with anything else (the MIT/Apache G2Ps on PyPI: g2p-en, gruu
 piper-plus-g2p...) would change pronunciation and could not match piper. The only
 espeak-ng that installs from PyPI as a self-contained wheel with its data is the one
 bundled in piper-tts; espeak-ng and piper-tts are GPL-3.0-or-later. So speech is an
-optional extra of this Apache-2.0 project, imported lazily (``import worker.tts``
+optional extra of this Apache-2.0 project, imported lazily (``import worker.speech``
 works without it; is_available() tells), and only text phonemization (in the API process)
 touches GPL code.
 The extra needs exactly:
