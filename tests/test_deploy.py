@@ -206,6 +206,16 @@ def test_dockerfile_copies_existing_paths():
         assert os.path.exists(os.path.join(ROOT, src)), src
 
 
+def test_dockerfile_copies_every_package_the_wheel_ships():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    with open(os.path.join(DEPLOY, "Dockerfile")) as f:
+        copied = set(re.findall(r"^COPY (?!--from)(?:--\S+ )*(\S+)", f.read(), re.M))
+    assert {p.rstrip("*") for p in include} <= copied
+
+
 def test_dockerfile_ships_prebuilt_kernels_without_a_compiler():
     stages = dockerfile_stages()
     assert len(stages) >= 2
