@@ -37,7 +37,8 @@ async def stream_choice(
     skip_special_tokens: bool, timeout: float | None = None,
 ) -> AsyncIterator[ChoiceDelta]:
     prompt_ids = ctx.prompt_tokens.tolist()
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    # (From every token before the output: a continuation's forced tokens too, jump_ahead's.)
+    detok = IncrementalDetokenizer(tokenizer, ctx.all_tokens.tolist(), skip_special_tokens)
     stops = StopStringMatcher(ctx.sampling_params.stop or [])
     stop_ids = set(ctx.sampling_params.stop_token_ids or ())
     eos_ids = set() if ctx.ignore_eos else set(ctx.eos_token_ids)

@@ -2,8 +2,9 @@
 
 When a reasoning model has thought for its budget (`max_reasoning_tokens`, Responses'
 `reasoning`, Anthropic's `thinking.budget_tokens`), the API process stops that engine request
-and submits its continuation: the same prompt, the tokens generated so far and the closing
-tag, `FORCED_CLOSE`, after which the model writes its answer. The tokens the model continues
+and submits its continuation: the same prompt and the tokens generated so far, with the
+closing tag, `FORCED_CLOSE`, appended by `TextContext.jump_ahead` (tokens the model is fed and
+that count as generated), after which the model writes its answer. The tokens the model continues
 from are exactly those a worker forcing `</think>` in place would have, so greedy output is
 the same; the cost is one scheduling round and the prefill of what the prefix cache does not
 already hold (the generated tokens past the last full KV block, and the tag).
@@ -66,16 +67,19 @@ def close_thinking(tokenizer, ctx: TextContext, max_model_len: int) -> TextConte
 
 def continue_after_thinking(tokenizer, ctx: TextContext, generated: list[int],
                             ) -> tuple[TextContext, int] | None:
-    """The continuation of `ctx` after `generated` tokens of thought and the forced tag, and
+    """The continuation of `ctx` after `generated` tokens of thought, with the tag forced in
+    by `jump_ahead` (fed to the model, counted as generated, already shown to the user), and
     how many tokens the tag is; None if the output budget has no room left for an answer."""
     close = _close_ids(tokenizer)
-    tokens = np.concatenate([ctx.prompt_tokens, np.asarray(generated, dtype=np.int64), close])
-    room = ctx.max_length - len(tokens)
-    if room < 1:
+    tokens = np.concatenate([ctx.prompt_tokens, np.asarray(generated, dtype=np.int64)])
+    if ctx.max_length - len(tokens) - len(close) < 1:
         return None
     used = len(generated) + len(close)
     max_new = ctx.sampling_params.max_new_tokens
     after = _with_tokens(ctx, tokens, ctx.max_length, f"{ctx.request_id}-answer",
-                         None if max_new is None else max_new - used,
+                         None if max_new is None else max_new - len(generated),
                          ctx.sampling_params.min_new_tokens - used)
+    for token in close.tolist():
+        after.jump_ahead(token)
+    after.to_generation_output()  # (the caller shows the tag itself: delivered)
     return after, len(close)

@@ -66,6 +66,8 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
     _is_initial_prompt: bool = True
     _draft_offset: int = 0
     _num_future: int = 0  # placeholders at the end of the tokens, oldest first
+    _cache_seq_id: int | None = None
+    _committed_idx: int = 0
     target_endpoint: str | None = None
 
     def __post_init__(self) -> None:
@@ -119,8 +121,13 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         return self._end_idx - self._prompt_len
 
     @property
+    def committed_idx(self) -> int:
+        """Tokens whose KV blocks the prefix cache holds (full blocks it can share)."""
+        return self._committed_idx
+
+    @property
     def next_tokens(self) -> np.ndarray:
-        return self.tokens[self._start_idx : self._active_idx]
+        return self.tokens[self._start_idx + self._draft_offset : self._active_idx]
 
     @property
     def all_tokens(self) -> np.ndarray:
@@ -162,9 +169,11 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
     def min_tokens(self) -> int:
         return self.sampling_params.min_new_tokens
 
-    def bump_token_indices(self, start_idx: int = 0, active_idx: int = 0, end_idx: int = 0) -> None:
+    def bump_token_indices(self, start_idx: int = 0, active_idx: int = 0, end_idx: int = 0,
+                           committed_idx: int = 0) -> None:
         self.set_token_indices(
-            self._start_idx + start_idx, self._active_idx + active_idx, self._end_idx + end_idx
+            self._start_idx + start_idx, self._active_idx + active_idx, self._end_idx + end_idx,
+            self._committed_idx + committed_idx,
         )
 
     def set_token_indices(
@@ -172,6 +181,7 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         start_idx: int | None = None,
         active_idx: int | None = None,
         end_idx: int | None = None,
+        committed_idx: int | None = None,
     ) -> None:
         new_start = self._start_idx if start_idx is None else start_idx
         new_active = self._active_idx if active_idx is None else active_idx
@@ -181,6 +191,24 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
                 f"invalid token indices start={new_start} active={new_active} end={new_end}"
             )
         self._start_idx, self._active_idx, self._end_idx = new_start, new_active, new_end
+        if committed_idx is not None:
+            if not 0 <= committed_idx <= new_end:
+                raise ValueError(f"invalid committed_idx {committed_idx} (end={new_end})")
+            self._committed_idx = committed_idx
+
+    # ---- cache slot ---------------------------------------------------------------------
+    @property
+    def cache_seq_id(self) -> int:
+        """The cache slot the context holds (the worker's row for it); raises if none."""
+        if self._cache_seq_id is None:
+            raise ValueError(f"context {self.request_id} is not assigned to a cache slot")
+        return self._cache_seq_id
+
+    def assign_to_cache(self, cache_seq_id: int) -> None:
+        self._cache_seq_id = cache_seq_id
+
+    def unassign_from_cache(self) -> None:
+        self._cache_seq_id = None
 
     def compute_num_available_steps(self, max_seq_len: int) -> int:
         """How many tokens can still be generated before reaching max_seq_len."""
@@ -199,6 +227,7 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         self._end_idx += 1
         self._completion_end_idx += 1
         self._is_initial_prompt = False
+        self._draft_offset = 0
         self._update_status(new_token)
 
     @property
@@ -248,14 +277,18 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         self._update_status(new_token)
 
     def _update_status(self, new_token: int, end: int | None = None) -> None:
-        """Status after `new_token`, the last of the tokens up to `end` (default: all)."""
+        """Status after `new_token`, the last of the tokens up to `end` (default: all): a stop
+        token id or EOS ends it once `min_tokens` are generated, `max_new_tokens` and
+        `max_length` cap it. (Stop strings are the API process's: it holds the text.)"""
         end = self._end_idx if end is None else end
         params = self.sampling_params
-        if params.stop_token_ids and new_token in params.stop_token_ids:
+        generated = end - self._prompt_len
+        if generated > params.min_new_tokens and (  # (EOS is masked for min_tokens tokens)
+                (params.stop_token_ids and new_token in params.stop_token_ids)
+                or (not self.ignore_eos and self._is_eos(new_token, end))):
             self.status = GenerationStatus.END_OF_SEQUENCE
-        elif not self.ignore_eos and self._is_eos(new_token, end):
-            self.status = GenerationStatus.END_OF_SEQUENCE
-        elif end >= self.max_length:
+        elif end >= self.max_length or (params.max_new_tokens is not None
+                                        and generated >= params.max_new_tokens):
             self.status = GenerationStatus.MAXIMUM_LENGTH
 
     def _is_eos(self, new_token: int, end: int) -> bool:
@@ -267,6 +300,36 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
                 if self.tokens[end - n : end].tolist() == seq:
                     return True
         return False
+
+    def rollback(self, idx: int) -> None:
+        """Remove the last `idx` generated tokens (a draft's rejected ones, speculative
+        decoding): the indices move back past them, their log probabilities go, and the
+        context is active again. Tokens already delivered to the user cannot be taken back."""
+        if idx <= 0:
+            return
+        if self._num_future:
+            raise ValueError("rollback with a step in flight")
+        new_end = self._end_idx - idx
+        if new_end < max(self._prompt_len, self._completion_start_idx):
+            raise ValueError(f"cannot roll back {idx} tokens: only "
+                             f"{self._end_idx - max(self._prompt_len, self._completion_start_idx)}"
+                             f" undelivered generated tokens")
+        for i in range(new_end, self._end_idx):
+            self._log_probabilities_data.pop(i, None)
+        self._end_idx = new_end
+        self._active_idx = new_end
+        self._start_idx = min(self._start_idx, new_end - 1)
+        self._committed_idx = min(self._committed_idx, new_end)
+        self._completion_end_idx = new_end
+        self._draft_offset = 0
+        self.status = GenerationStatus.ACTIVE
+
+    def set_draft_offset(self, idx: int) -> None:
+        """The draft model's window starts `idx` tokens past `start_idx` (it has already seen
+        them): `next_tokens` leaves them out until the next `update`."""
+        if not 0 <= idx <= self._active_idx - self._start_idx:
+            raise ValueError(f"draft offset {idx} outside the active window")
+        self._draft_offset = idx
 
     def get_min_token_logit_mask(self, num_steps: int) -> list[np.ndarray]:
         """Per step, the (row, token) pairs to mask so EOS can't be sampled before min_tokens."""

@@ -479,8 +479,9 @@ def test_closing_a_thought_keeps_the_images(tokenizer):
         assert new.vision_token_ids == ctx.vision_token_ids
         assert new.extra_model_args is ctx.extra_model_args
     assert closed.prompt_tokens[:ctx.prompt_length].tolist() == ctx.prompt_tokens.tolist()
-    assert after.prompt_tokens[ctx.prompt_length:][:3].tolist() == [11, 12, 13]
-    assert len(after.prompt_tokens) == ctx.prompt_length + 3 + tag_len
+    assert after.prompt_tokens[ctx.prompt_length:].tolist() == [11, 12, 13]
+    assert after.end_idx == ctx.prompt_length + 3 + tag_len  # the tag, jumped ahead
+    assert after.next_tokens.tolist() == after.all_tokens.tolist()  # all still to be fed
 
 
 def test_a_prefix_hit_inside_an_image_sends_the_image_again():
