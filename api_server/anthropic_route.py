@@ -32,9 +32,9 @@ from api_server.chat_pipeline import ChatDelta, ChatJob, ChatRun, prepare_chat, 
 from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
 from api_server.off_loop import is_large, off_loop_if, parse_body
-from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
 from api_server.protocol import RequestError, SamplingFields
+from api_server.serving_context import ServingContext, error_response, json_response
 
 # count_tokens renders, tokenizes and decodes images like a generation request but queues
 # nothing: this many at once, a 429 beyond (each holds a worker thread and image memory).
@@ -42,8 +42,8 @@ COUNT_TOKENS_CONCURRENCY = 4
 
 
 class AnthropicRoute:
-    def __init__(self, routes: OpenAIRoutes) -> None:
-        self.routes = routes
+    def __init__(self, serving: ServingContext) -> None:
+        self.serving = serving
         self.counting = asyncio.Semaphore(COUNT_TOKENS_CONCURRENCY)
 
     def _job(self, req: CountTokensRequest, sampling: SamplingFields,
@@ -59,7 +59,7 @@ class AnthropicRoute:
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt tokens /v1/messages would run: the same rendering, nothing generated."""
-        routes = self.routes
+        serving = self.serving
         try:
             if self.counting.locked():
                 raise RequestError("too many token counts in progress; retry later",
@@ -67,10 +67,10 @@ class AnthropicRoute:
             async with self.counting:
                 body = await request.body()
                 req = await parse_body(body, CountTokensRequest)
-                routes.check_model(req.model)
-                routes._check_generates()
+                serving.check_model(req.model)
+                serving.check_generates()
                 large = is_large(body)
-                run = await prepare_chat(routes, await off_loop_if(
+                run = await prepare_chat(serving, await off_loop_if(
                     large, self._job, req, SamplingFields(), None, large))
                 input_tokens = run.prompt_tokens
         except RequestError as exc:
@@ -78,23 +78,23 @@ class AnthropicRoute:
         return json_response({"input_tokens": input_tokens})
 
     async def create(self, request: Request) -> Response:
-        routes = self.routes
+        serving = self.serving
         try:
             body = await request.body()
             req = await parse_body(body, MessagesRequest)
-            routes.check_model(req.model)
-            routes._check_generates()
-            routes._check_engine()
-            routes._check_sequences(1, "messages")
+            serving.check_model(req.model)
+            serving.check_generates()
+            serving.check_available()
+            serving.check_sequences(1, "messages")
             large = is_large(body)
-            run = await start_chat(routes, await off_loop_if(
+            run = await start_chat(serving, await off_loop_if(
                 large, self._job, req, sampling_of(req), req.max_tokens, large))
         except RequestError as exc:
             return error_response(exc)
-        message = _MessageBuilder(routes.model_name, run)
+        message = _MessageBuilder(serving.model_name, run)
         if req.stream:
-            return await routes.stream_events(self._events(run, message), run.first)
-        return await routes._collect(request, self._body(run, message))
+            return await serving.stream_events(self._events(run, message), run.first)
+        return await serving.collect(request, self._body(run, message))
 
     async def _body(self, run: ChatRun, message: _MessageBuilder) -> dict:
         async for d in run.deltas():

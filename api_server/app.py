@@ -17,11 +17,12 @@ from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
 from api_server.metrics import Metrics
 from api_server.middleware import PUBLIC_PATHS, limit_body_size, require_api_key
-from api_server.openai_routes import OpenAIRoutes, error_response, json_response
+from api_server.openai_routes import OpenAIRoutes
 from api_server.openapi import build_openapi
 from api_server.protocol import RequestError
 from api_server.responses_route import ResponsesRoute
 from api_server.server_state import ServerState
+from api_server.serving_context import ServingContext, error_response, json_response
 from api_server.speech_route import SpeechRoute
 from pipelines.status import PipelineTask
 
@@ -30,7 +31,7 @@ logger = logging.getLogger("loom.api")
 VERSION = "0.1.0"
 
 
-def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
+def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
               api_key: str | None = None, max_request_bytes: int = 16 << 20,
               speech: SpeechRoute | None = None, metrics_public: bool = False,
               bound_host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = (),
@@ -55,12 +56,13 @@ def build_app(state: ServerState, routes: OpenAIRoutes, metrics: Metrics,
     async def openapi(request: Request) -> Response:
         return json_response(openapi_doc)
 
-    extra = ExtraRoutes(routes)
-    embeddings = EmbeddingsRoute(routes, routes.engine,
-                                 routes.task is PipelineTask.EMBEDDINGS_GENERATION)
-    speech = speech or SpeechRoute(routes.engine, state, metrics)
-    responses = ResponsesRoute(routes)
-    messages = AnthropicRoute(routes)
+    routes = OpenAIRoutes(serving)
+    extra = ExtraRoutes(serving)
+    embeddings = EmbeddingsRoute(serving, serving.engine,
+                                 serving.task is PipelineTask.EMBEDDINGS_GENERATION)
+    speech = speech or SpeechRoute(serving.engine, state, metrics)
+    responses = ResponsesRoute(serving)
+    messages = AnthropicRoute(serving)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(RequestError(exc.detail or "error", status=exc.status_code))

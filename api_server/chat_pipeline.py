@@ -41,7 +41,7 @@ from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 
 if TYPE_CHECKING:
-    from api_server.openai_routes import OpenAIRoutes
+    from api_server.serving_context import ServingContext
 
 
 @dataclass
@@ -107,61 +107,61 @@ class _ChatPrompt:
     options: dict | None
 
 
-async def prepare_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
+async def prepare_chat(serving: ServingContext, job: ChatJob) -> ChatRun:
     """Render and tokenize a job into its contexts (not yet admitted); RequestError if the
     request is invalid or does not fit the context."""
     # Tools: their schemas compile to a grammar (llguidance), which can take a while.
-    prompt = await off_loop_if(job.large or bool(job.tools), _chat_prompt, routes, job)
+    prompt = await off_loop_if(job.large or bool(job.tools), _chat_prompt, serving, job)
     tools, mode, messages = prompt.tools, prompt.mode, prompt.messages
     rendered_tools, response_format = prompt.rendered_tools, prompt.response_format
     sampling, options = prompt.sampling, prompt.options
     request_id = uuid.uuid4().hex
     try:
         # Rendered, tokenized and its images decoded once; the other choices copy it.
-        contexts = await routes._contexts(lambda i: TokenGeneratorRequest(
-            id=f"{request_id}-{i}", index=i, model_name=routes.model_name,
+        contexts = await serving.contexts(lambda i: TokenGeneratorRequest(
+            id=f"{request_id}-{i}", index=i, model_name=serving.model_name,
             messages=messages, tools=rendered_tools, request_path=job.request_path,
             timestamp_ns=time.time_ns(), chat_template_options=options,
             logprobs=job.logprobs, response_format=response_format,
             cache_salt=sampling.cache_salt,
-            sampling_params=routes._sampling_params(sampling, job.max_tokens, i),
+            sampling_params=serving.sampling_params(sampling, job.max_tokens, i),
         ), job.n, job.n, admit=False)
     except RequestError as exc:
         raise _renamed(exc, job) from None
-    run = ChatRun(routes, job, contexts, sampling, mode, tools)
+    run = ChatRun(serving, job, contexts, sampling, mode, tools)
     run.request_id = request_id
-    run.thinking = routes.reasoning_parser is not None and opens_thinking(
-        routes.tokenizer.delegate.decode(contexts[0].prompt_tokens[-8:].tolist(),
+    run.thinking = serving.reasoning_parser is not None and opens_thinking(
+        serving.tokenizer.delegate.decode(contexts[0].prompt_tokens[-8:].tolist(),
                                          skip_special_tokens=False))
     if run.thinking and (response_format is not None or run.budget(contexts[0]) == 0):
         # Without thinking: a grammar would constrain the thought too (constraining only the
         # answer needs the worker to start the grammar at </think>), and a zero budget is no
         # thought. Closing it in the prompt is what templates do when thinking is off.
-        closed = [close_thinking(routes.tokenizer, ctx, routes.max_model_len) for ctx in contexts]
+        closed = [close_thinking(serving.tokenizer, ctx, serving.max_model_len) for ctx in contexts]
         if all(c is not None for c in closed):
             run.contexts, run.thinking = closed, False
     return run
 
 
-def _chat_prompt(routes: OpenAIRoutes, job: ChatJob) -> _ChatPrompt:
+def _chat_prompt(serving: ServingContext, job: ChatJob) -> _ChatPrompt:
     """The job's checks, its tools taught or passed, its grammar: all that walks what the
     request holds."""
     check_depth(job.tools, "tools")
     tools, forced_name = check_tools(job.tools, job.tool_choice)
     mode = tool_mode(tools, job.tool_choice)
-    fmt = routes.tool_call_parser
+    fmt = serving.tool_call_parser
     messages = job.messages
     rendered_tools = None
-    if not routes.tokenizer.template_takes_tools:
+    if not serving.tokenizer.template_takes_tools:
         messages = [_calls_in_content(m, fmt) for m in messages]
     if mode != "none":
-        if routes.tokenizer.template_takes_tools:
+        if serving.tokenizer.template_takes_tools:
             rendered_tools = tools
         else:
             messages = [{"role": "system", "content": format_instructions(fmt, tools)},
                         *messages]
     response_format = job.response_format
-    max_calls = routes.max_parallel_tool_calls if job.parallel_tool_calls else 1
+    max_calls = serving.max_parallel_tool_calls if job.parallel_tool_calls else 1
     if mode == "forced":
         # As OpenAI: a forced call is the call's grammar; a response format governs text only.
         schema = validate_schema(forced_call_schema(tools, forced_name, max_calls), "tools")
@@ -175,15 +175,15 @@ def _chat_prompt(routes: OpenAIRoutes, job: ChatJob) -> _ChatPrompt:
     if mode == "auto" and fmt == "mistral":  # its [TOOL_CALLS] is a special token
         sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
     options = job.template_options
-    if routes.reasoning_parser is not None and 0 in (job.reasoning_tokens, job.reasoning_share):
+    if serving.reasoning_parser is not None and 0 in (job.reasoning_tokens, job.reasoning_share):
         # No thought wanted: templates that can leave it out (Qwen3's switch) do so.
         options = {"enable_thinking": False, **(options or {})}
     return _ChatPrompt(tools, mode, messages, rendered_tools, response_format, sampling, options)
 
 
-async def start_chat(routes: OpenAIRoutes, job: ChatJob) -> ChatRun:
-    run = await prepare_chat(routes, job)
-    routes.state.admit(run.contexts)
+async def start_chat(serving: ServingContext, job: ChatJob) -> ChatRun:
+    run = await prepare_chat(serving, job)
+    serving.state.admit(run.contexts)
     return run
 
 
@@ -223,16 +223,16 @@ def _calls_in_content(message: dict, fmt: str) -> dict:
 class ChatRun:
     """Prepared contexts, and how to run and parse them."""
 
-    def __init__(self, routes: OpenAIRoutes, job: ChatJob, contexts: list[TextContext],
+    def __init__(self, serving: ServingContext, job: ChatJob, contexts: list[TextContext],
                  sampling: SamplingFields, mode: str, tools: list[dict]) -> None:
-        self.routes = routes
+        self.serving = serving
         self.job = job
         self.contexts = contexts
         self.sampling = sampling
         self.mode = mode
         self.thinking = False  # the output starts inside a thought
         self.request_id = ""
-        failures = getattr(routes.engine.metrics, "tool_call_schema_failures", None)
+        failures = getattr(serving.engine.metrics, "tool_call_schema_failures", None)
         self.checker = ToolCallChecker(tools, failures) if mode != "none" else None
         self.started = time.monotonic()
 
@@ -254,17 +254,17 @@ class ChatRun:
         return None
 
     def deltas(self) -> AsyncIterator[ChatDelta]:
-        streams = self.routes._streams(self.contexts, self.sampling, self.job.n)
+        streams = self.serving.choice_streams(self.contexts, self.sampling, self.job.n)
         choices = [self._choice(i, ctx, s) for i, (ctx, s) in
                    enumerate(zip(self.contexts, streams))]
         # One choice is returned itself, so closing it (client gone) reaches the engine at once.
         return choices[0] if len(choices) == 1 else merge_choices(choices)
 
     def _parsers(self):
-        thoughts = ThinkParser(self.thinking) if self.routes.reasoning_parser else NoReasoning()
+        thoughts = ThinkParser(self.thinking) if self.serving.reasoning_parser else NoReasoning()
         calls = None
         if self.mode == "auto":
-            calls = new_parser(self.routes.tool_call_parser)
+            calls = new_parser(self.serving.tool_call_parser)
         elif self.mode == "forced":
             calls = ForcedCallCollector()
         return thoughts, calls
@@ -287,7 +287,7 @@ class ChatRun:
                                and thoughts.in_reasoning and counts["reasoning"] >= budget)
                 yield out
                 if over_budget:  # for metrics: this request ends at a length, not aborted
-                    self.routes.engine.end_early(ctx.request_id, "length")
+                    self.serving.engine.end_early(ctx.request_id, "length")
                 if d.finish_reason or over_budget:
                     break
         finally:
@@ -296,7 +296,7 @@ class ChatRun:
             return
         # The thought reached its budget: end it the way the model would, then go on.
         offset = len(generated)
-        following = continue_after_thinking(self.routes.tokenizer, ctx, generated)
+        following = continue_after_thinking(self.serving.tokenizer, ctx, generated)
         forced = await self._parse(ChoiceDelta(index, CLOSE, []), thoughts, calls, counts)
         if following is None:  # no room left for the answer
             end = await self._parse(ChoiceDelta(index, "", [], "length"), thoughts, calls, counts)
@@ -307,7 +307,7 @@ class ChatRun:
             return
         after, forced_tokens = following
         offset += forced_tokens
-        stream = stream_choice(self.routes.engine, after, self.routes.tokenizer.delegate, index,
+        stream = stream_choice(self.serving.engine, after, self.serving.tokenizer.delegate, index,
                                self.sampling.skip_special_tokens,
                                self._time_left())
         try:
@@ -356,7 +356,7 @@ class ChatRun:
             pass
 
     def _time_left(self) -> float | None:
-        timeout = self.routes.request_timeout
+        timeout = self.serving.request_timeout
         if timeout is None:
             return None
         return max(0.001, timeout - (time.monotonic() - self.started))

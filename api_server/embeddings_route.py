@@ -18,8 +18,8 @@ from starlette.responses import Response
 
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
 from api_server.off_loop import parse_body
-from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.protocol import RequestError
+from api_server.serving_context import ServingContext, error_response, json_response
 from api_server.tokenizer import INLINE_TOKENIZE_CHARS
 from pipelines.embeddings import EmbeddingsContext
 
@@ -36,33 +36,33 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
 
 
 class EmbeddingsRoute:
-    def __init__(self, routes: OpenAIRoutes, engine: EngineClient, serves_embeddings: bool):
-        self.routes = routes
+    def __init__(self, serving: ServingContext, engine: EngineClient, serves_embeddings: bool):
+        self.serving = serving
         self.engine = engine
-        self.tokenizer = routes.tokenizer
+        self.tokenizer = serving.tokenizer
         self.serves_embeddings = serves_embeddings
 
     async def create(self, request: Request) -> Response:
         try:
             req = await parse_body(await request.body(), EmbeddingRequest)
-            self.routes.check_model(req.model)
+            self.serving.check_model(req.model)
             if not self.serves_embeddings:
-                raise RequestError(f"the model `{self.routes.model_name}` generates text; serve "
+                raise RequestError(f"the model `{self.serving.model_name}` generates text; serve "
                                    f"an embeddings model for /v1/embeddings", param="model")
-            self.routes._check_engine()
-            if req.dimensions is not None and req.dimensions != self.routes.embedding_dim:
-                raise RequestError(f"this model's embeddings have {self.routes.embedding_dim} "
+            self.serving.check_available()
+            if req.dimensions is not None and req.dimensions != self.serving.embedding_dim:
+                raise RequestError(f"this model's embeddings have {self.serving.embedding_dim} "
                                    f"dimensions", param="dimensions")
             items = self._inputs(req.input)
             # One HTTP request, however many inputs (OpenAI takes up to 2048 per request).
-            self.routes.state.check_queue_room(1)
+            self.serving.state.check_queue_room(1)
             if sum(len(i) for i in items if isinstance(i, str)) > INLINE_TOKENIZE_CHARS:
                 token_ids = await asyncio.to_thread(self._tokenize, items)
             else:
                 token_ids = self._tokenize(items)
-            contexts = [EmbeddingsContext(tokens=ids, model_name=self.routes.model_name,
+            contexts = [EmbeddingsContext(tokens=ids, model_name=self.serving.model_name,
                                           request_id=uuid.uuid4().hex) for ids in token_ids]
-            self.routes.state.admit(contexts, num_requests=1)
+            self.serving.state.admit(contexts, num_requests=1)
         except RequestError as exc:
             return error_response(exc)
         work = asyncio.ensure_future(self.engine.embed(contexts))
@@ -75,7 +75,7 @@ class EmbeddingsRoute:
         data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]
         tokens = sum(len(c.tokens) for c in contexts)
-        return json_response({"object": "list", "data": data, "model": self.routes.model_name,
+        return json_response({"object": "list", "data": data, "model": self.serving.model_name,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     def _inputs(self, value) -> list:
@@ -97,7 +97,7 @@ class EmbeddingsRoute:
 
     def _tokenize(self, items: list) -> list[np.ndarray]:
         out = []
-        limit = self.routes.max_model_len
+        limit = self.serving.max_model_len
         for i, item in enumerate(items):
             param = "input" if len(items) == 1 else f"input[{i}]"
             if isinstance(item, str):

@@ -27,8 +27,8 @@ from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient, EngineDeadError
 from api_server.http_protocol import bounded_http_protocol, fit_descriptor_limit
 from api_server.metrics import Metrics
-from api_server.openai_routes import OpenAIRoutes
 from api_server.server_state import ServerState
+from api_server.serving_context import ServingContext
 from api_server.speech_route import SpeechRoute
 from api_server.tokenizer import TextTokenizer
 from pipelines.checkpoint.bert_config import BertConfig
@@ -227,13 +227,13 @@ class Launcher:
         _import_streaming_backend()
         state = ServerState(engine, server_cfg.admission)
         speech = SpeechRoute(engine, state, metrics)
-        routes = OpenAIRoutes(engine, tokenizer, model.served_model_name, {model.model_dir},
-                              max_model_len, state, server_cfg, model.task, embedding_dim,
-                              extra_model_cards=speech.model_cards)
+        serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_dir},
+                                 max_model_len, state, server_cfg, model.task, embedding_dim,
+                                 extra_model_cards=speech.model_cards)
         if server_cfg.trust_request_chat_template:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request
-        app = build_app(state, routes, metrics, api_key=server_cfg.api_key,
+        app = build_app(state, serving, metrics, api_key=server_cfg.api_key,
                         max_request_bytes=server_cfg.max_request_bytes, speech=speech,
                         metrics_public=server_cfg.metrics_public, bound_host=server_cfg.host,
                         allowed_hosts=server_cfg.allowed_hosts,

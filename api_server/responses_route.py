@@ -19,7 +19,6 @@ from api_server.chat_pipeline import ChatJob, ChatRun, start_chat
 from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
 from api_server.off_loop import check_json_shape, is_large, off_loop_if, parse_body
-from api_server.openai_routes import OpenAIRoutes, error_response, json_response
 from api_server.output_blocks import Block, BlockEvent, BlockTracker
 from api_server.protocol import RequestError
 from api_server.reasoning import effort_budget
@@ -37,37 +36,38 @@ from api_server.responses_protocol import (
     response_format,
     sampling_of,
 )
+from api_server.serving_context import ServingContext, error_response, json_response
 
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
 
 class ResponsesRoute:
-    def __init__(self, routes: OpenAIRoutes, store: ResponseStore | None = None) -> None:
-        self.routes = routes
+    def __init__(self, serving: ServingContext, store: ResponseStore | None = None) -> None:
+        self.serving = serving
         self.store = store if store is not None else ResponseStore()
 
     async def create(self, request: Request) -> Response:
-        routes = self.routes
+        serving = self.serving
         try:
             body = await request.body()
             req = await parse_body(body, ResponsesRequest)
-            routes.check_model(req.model)
-            routes._check_generates()
+            serving.check_model(req.model)
+            serving.check_generates()
             check_supported(req)
-            routes._check_engine()
-            routes._check_sequences(1, "input")
+            serving.check_available()
+            serving.check_sequences(1, "input")
             history = self._stored_history(req)
             large = is_large(body) or is_large(history.messages_json if history else b"")
             conversation, job = await off_loop_if(large, self._job, req, history, large)
-            run = await start_chat(routes, job)
+            run = await start_chat(serving, job)
         except RequestError as exc:
             return error_response(exc)
-        store = routes.responses_store_default if req.store is None else req.store
-        builder = _ResponseBuilder(routes.model_name, req, run, store)
+        store = serving.responses_store_default if req.store is None else req.store
+        builder = _ResponseBuilder(serving.model_name, req, run, store)
         if req.stream:
-            return await routes.stream_events(self._events(run, builder, conversation),
+            return await serving.stream_events(self._events(run, builder, conversation),
                                               run.first)
-        return await routes._collect(request, self._body(run, builder, conversation))
+        return await serving.collect(request, self._body(run, builder, conversation))
 
     def _job(self, req: ResponsesRequest, history: StoredResponse | None, large: bool,
              ) -> tuple[list[dict], ChatJob]:

@@ -23,9 +23,9 @@ from starlette.responses import Response, StreamingResponse
 
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
 from api_server.off_loop import parse_body
-from api_server.openai_routes import error_response
 from api_server.protocol import RequestError
 from api_server.server_state import ServerState
+from api_server.serving_context import error_response
 from api_server.speech_text import MAX_INPUT_CHARS, text_to_segments
 from pipelines.speech_context import TTSContext
 

@@ -178,15 +178,15 @@ def test_stop_strings_stay_in_the_api_process(tiny_model_dir):
     import numpy as np
 
     from api_server.engine_client import _without_stop_strings
-    from api_server.openai_routes import OpenAIRoutes
     from api_server.protocol import CompletionRequest
+    from api_server.serving_context import ServingContext
     from pipelines import TextContext
     from serialization.codec import msgpack_numpy_encoder
 
     req = CompletionRequest(prompt="hi", stop=["stop-one", "stop-two"])
-    routes = OpenAIRoutes.__new__(OpenAIRoutes)
-    routes.tokenizer = type("T", (), {"vocab_size": 100})()
-    params = routes._sampling_params(req, 4, 0)
+    serving = ServingContext.__new__(ServingContext)
+    serving.tokenizer = type("T", (), {"vocab_size": 100})()
+    params = serving.sampling_params(req, 4, 0)
     assert params.stop == ["stop-one", "stop-two"]  # what this process's detokenizer applies
     ctx = TextContext(max_length=10, tokens=np.arange(3), sampling_params=params)
     frame = msgpack_numpy_encoder()(_without_stop_strings(ctx))
