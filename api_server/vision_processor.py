@@ -48,10 +48,6 @@ def vision_architecture(model_dir: str) -> str | None:
     return VISION_ARCHITECTURES.get(raw.get("model_type"))
 
 
-def is_vision_checkpoint(model_dir: str) -> bool:
-    return vision_architecture(model_dir) is not None
-
-
 class Idefics3Processor:
     """transformers' Idefics3Processor (via AutoProcessor), and how its outputs map onto
     ImageMetadata."""

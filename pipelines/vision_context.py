@@ -38,7 +38,7 @@ _KEY_RANGE = 1 << 62
 
 
 class InputError(ValueError):
-    """A context that the model can't take (MAX's `validate_*` helpers raise it)."""
+    """A context that the model can't take (MAX's exception for it)."""
 
 
 def hash_image(pixel_values: np.ndarray) -> int:
@@ -152,49 +152,3 @@ class TextAndVisionContext(TextContext, kw_only=True, omit_defaults=True, eq=Fal
             run = keyed[img.start_idx:img.end_idx]
             run[np.isin(run, self.vision_token_ids)] = key
         return keyed
-
-
-# ---- MAX's validate_* helpers ---------------------------------------------------------------
-# MAX's vision tokenizers call these on the context they built; each raises InputError.
-
-def validate_requires_vision_context(context: TextContext) -> None:
-    if not isinstance(context, TextAndVisionContext):
-        raise InputError("this model needs a TextAndVisionContext")
-
-
-def validate_only_one_image(context: TextContext) -> None:
-    if isinstance(context, TextAndVisionContext) and len(context.images) > 1:
-        raise InputError(f"this model takes at most one image, not {len(context.images)}")
-
-
-def validate_initial_prompt_has_image(context: TextContext) -> None:
-    if context.is_initial_prompt and not (
-            isinstance(context, TextAndVisionContext) and context.images):
-        raise InputError("this model needs an image in its prompt")
-
-
-def validate_image_shape_5d(context: TextContext) -> None:
-    if isinstance(context, TextAndVisionContext):
-        for img in context.images:
-            if img.pixel_values.ndim != 5:
-                raise InputError(f"images must be 5-dimensional, not of shape "
-                                 f"{img.pixel_values.shape}")
-
-
-def _validate_extra_arg(context: TextContext, name: str) -> None:
-    if (isinstance(context, TextAndVisionContext) and context.needs_vision_encoding
-            and name not in context.extra_model_args):
-        raise InputError(f"{name} is missing from extra_model_args")
-
-
-def validate_aspect_ratio_args(context: TextContext) -> None:
-    for name in ("aspect_ratio_ids", "aspect_ratio_mask"):
-        _validate_extra_arg(context, name)
-
-
-def validate_image_grid_thw_args(context: TextContext) -> None:
-    _validate_extra_arg(context, "image_grid_thw")
-
-
-def validate_vision_position_ids(context: TextContext) -> None:
-    _validate_extra_arg(context, "vision_position_ids")

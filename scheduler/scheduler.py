@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pipelines.config import BatchingConfig
 from pipelines.context import TextContext
@@ -52,14 +52,6 @@ class ScheduledStep:
     # right then (queued behind it, or sent as its result arrived): the worker sat idle from
     # then until this step started (the per-step overhead).
     follows_finished_at: float | None = None
-
-
-@dataclass
-class StepStats:
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    finished: list[TextContext] = field(default_factory=list)
 
 
 class Scheduler:
@@ -242,11 +234,9 @@ class Scheduler:
                 ctx.set_token_indices(start_idx=ctx.active_idx, active_idx=ctx.end_idx)
         return ScheduledStep(batch, contexts, prompt_tokens)
 
-    def update(self, step: ScheduledStep, result: StepResult,
-               ) -> tuple[list[TextGenerationOutput], StepStats]:
+    def update(self, step: ScheduledStep, result: StepResult) -> list[TextGenerationOutput]:
         """Apply a step's results; returns the outputs to send to the API process."""
         outputs: list[TextGenerationOutput] = []
-        stats = StepStats()
         sampled = result.sampled_token_ids
         logprobs = sampled_logprobs_by_seq(result)
         prompt_logprobs = prompt_logprobs_by_seq(result)
@@ -257,10 +247,10 @@ class Scheduler:
             if i in failures:  # it failed alone: the others of the step go on
                 outputs.append(self._fail(ctx, failures[i]))
                 continue
-            stats.num_prompt_tokens += step.prompt_tokens[i]
+            self.prompt_tokens_total += step.prompt_tokens[i]
             if step.batch.sample[i]:
                 ctx.realize_future_token(int(sampled[i]), logprobs.get(i))
-                stats.num_generation_tokens += 1
+                self.generation_tokens_total += 1
                 timings = self.timings[ctx.request_id]
                 if not timings.first_token:
                     timings.first_token = time.monotonic()
@@ -278,16 +268,13 @@ class Scheduler:
             prompt_lp = self._prompt_logprobs.pop(ctx.request_id, None)
             timings = None
             if ctx.is_done:
-                stats.finished.append(ctx)
                 timings = self._finish(ctx)
             if step.batch.sample[i] or ctx.is_done or prompt_lp:
                 output = ctx.to_generation_output()
                 output.timings = timings
                 output.prompt_log_probabilities = prompt_lp
                 outputs.append(output)
-        self.prompt_tokens_total += stats.num_prompt_tokens
-        self.generation_tokens_total += stats.num_generation_tokens
-        return outputs, stats
+        return outputs
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

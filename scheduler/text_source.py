@@ -60,7 +60,7 @@ class TextSource:
             self._step_overheads.append(result.started_at - step.follows_finished_at)
         if result.error is not None:
             return ResponseBatch(outputs=self.scheduler.fail_step(step, result.error))
-        outputs, _stats = self.scheduler.update(step, result)
+        outputs = self.scheduler.update(step, result)
         return ResponseBatch(outputs=outputs)
 
     def take_stats(self) -> SchedulerStats:

@@ -25,7 +25,7 @@ def run_step(s):
     if step is None:
         return None, []
     sampled = np.where(step.batch.sample, 1000 + step.batch.step_id, -1).astype(np.int32)
-    outputs, _ = s.update(step, StepResult(step_id=step.batch.step_id, sampled_token_ids=sampled))
+    outputs = s.update(step, StepResult(step_id=step.batch.step_id, sampled_token_ids=sampled))
     return step, outputs
 
 

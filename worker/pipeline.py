@@ -42,7 +42,7 @@ class TextGenerationPipeline:
             step = self.scheduler.schedule() if self.scheduler.has_work else None
             if step is None:
                 break
-            outputs, _ = self.scheduler.update(step, self.runner.next_token(step.batch))
+            outputs = self.scheduler.update(step, self.runner.next_token(step.batch))
             responses.append({
                 o.request_id: TextResponse(next_token=o.tokens[-1],
                                            log_probabilities=(o.log_probabilities or [None])[-1])

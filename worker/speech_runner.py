@@ -38,10 +38,6 @@ class SpeechRunner:
             return False
         return speech.is_available()
 
-    @property
-    def decoder_sample_rate(self) -> int:
-        return self.sample_rate
-
     def _load(self) -> None:
         try:
             voice = self._speech.load_default_voice(intra_op_threads=1, allow_spinning=False)
