@@ -11,7 +11,7 @@ Threads are enough only where the work lets go of the GIL often: Jinja and Pytho
 `concurrent=True` release it, but msgspec decodes a body in one call that holds it
 throughout. So a large body's shape is bounded before it is decoded (`check_json_shape`):
 its arrays and objects, strings and values are counted, and a body with more than any
-request needs is refused. Measured here, the caps keep one decode under ~50 ms; without
+request needs is refused. The caps keep one decode on one core under ~50 ms; without
 them 16 MiB of `[]` held the GIL for 2 s.
 """
 
@@ -34,7 +34,7 @@ INLINE_BODY_BYTES = 64 << 10
 
 # What a body may hold (counted outside strings). Generous for any honest request (4,096
 # messages with their parts, 128 tools with large schemas, 64 prompts of 32k token ids);
-# each cap alone keeps msgspec's decode under ~50 ms on one core here.
+# each cap alone keeps msgspec's decode under ~50 ms on one core.
 MAX_JSON_CONTAINERS = 65_536  # arrays and objects: ~0.35 us each to decode (lists, GC)
 MAX_JSON_STRINGS = 262_144  # keys included: ~0.1 us each
 MAX_JSON_VALUES = 2_097_152  # everything, numbers included: ~0.02-0.05 us each

@@ -3,7 +3,7 @@
 The worker's threads do the math; the API and scheduler processes wake up once per step for a
 millisecond or two. Unplaced, Linux wakes them on the core of the thread that woke them (the
 worker's main thread, which just sent a result) and preempts it: the next forward pass then
-waits for them (measured: the worker idle ~0.8 ms between a third of its steps). Placed, the
+waits for them (the worker sat idle between a third of its steps). Placed, the
 worker's OpenMP threads are bound one per core, and the API and scheduler run on the cores the
 worker does not use, or, when it uses them all, on every core but the one of the worker's main
 thread: they take time from a helper thread, whose share of a parallel loop the main thread
@@ -86,10 +86,10 @@ def shorten_time_slice(slice_ns: int = SERVICE_SLICE_NS) -> bool:
 
     With the worker's threads on every core, each wake-up of the API, the scheduler or a
     ZeroMQ I/O thread has to take a core from one of them, and EEVDF lets a running thread
-    finish its slice (~1.4 ms here) before a woken thread of the same slice gets the core; one
-    with a shorter slice gets it at once (Linux 6.12+). Measured side by side at c=1: TTFT
-    minus the worker's prefill forward, median 6.0-6.4 -> 4.7-4.9 ms; tokens/s at c=16 and 32
-    unchanged within noise. The nice value, and so the CPU share, stay as they are.
+    finish its slice (milliseconds) before a woken thread of the same slice gets the core; one
+    with a shorter slice gets it at once (Linux 6.12+): TTFT at c=1 comes closer to the
+    prefill forward, throughput is unchanged (docs/performance.md, "Scheduling and IPC"). The
+    nice value, and so the CPU share, stay as they are.
     """
     number = _SYS_SCHED_SETATTR.get(platform.machine())
     if number is None or not sys.platform.startswith("linux"):

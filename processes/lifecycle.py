@@ -44,12 +44,11 @@ def freeze_startup_heap() -> None:
     out of the garbage collector's reach, as vLLM and SGLang do.
 
     Python's full (generation 2) collection walks every tracked object. Serving creates a few
-    thousand per step; full collections are rare while serving (none in two minutes of load
-    here), but with the start-up heap in them each one took 20-110 ms (45,000-186,000 objects
-    during start-up; measured with gc.callbacks): the worker mid-step, the API process between
-    two SSE chunks. Frozen objects are never scanned again; what serving allocates later is
-    collected as before. No collection first: it found ~30 garbage objects among the
-    worker's 186,000 and took 110 ms of its start-up."""
+    thousand per step, so full collections are rare while serving, but with the start-up heap
+    (hundreds of thousands of objects) in them each one stalls for tens of milliseconds: the
+    worker mid-step, the API process between two SSE chunks. Frozen objects are never scanned
+    again; what serving allocates later is collected as before. No collection first: start-up
+    leaves almost no garbage, and a collection over its heap would lengthen start-up."""
     gc.freeze()
 
 

@@ -70,7 +70,7 @@ def allocate_kv_cache(
     Zeroed, not empty: attention reads whole blocks and masks the unused slots, and a masked
     slot holding a NaN bit pattern would still poison the weighted sum (0 * NaN = NaN).
     The memory is an anonymous mmap, which the kernel zero-fills page by page on first touch:
-    torch.zeros would write every page up front (7.5 s for 4 GiB here) and start-up would wait.
+    torch.zeros would write every page up front (seconds for gigabytes) and start-up would wait.
     The worker faults them in while idle (KVCachePrefault). Not huge pages: touching a fresh
     2 MiB page costs a compaction and a 2 MiB zeroing, which made a new request's first prefill
     ~40% slower, and decode steps gained nothing measurable.

@@ -98,10 +98,10 @@ class PackedLinear(nn.Module):
 
 
 def packing_pays_off(dtype: torch.dtype) -> bool:
-    """Whether to use the kernel for weights of `dtype` on this CPU. It runs float32 at 1.4-2.4x
-    PyTorch's speed on AVX2 and bfloat16 at 1.6-6x (decode to prefill sizes); but a CPU with
+    """Whether to use the kernel for weights of `dtype` on this CPU. It beats PyTorch's GEMM at
+    serving shapes on AVX2, float32 and bfloat16 alike (docs/performance.md); but a CPU with
     AMX multiplies bfloat16 in its matrix units, which PyTorch's oneDNN GEMM uses and this
-    kernel does not. (Timing both at start-up was tried: on two cores shared with the other
+    kernel does not. (Timing both at start-up was tried: with the cores shared by the other
     processes starting up, the timings picked the slower one.)"""
     if not packed_linear_available(dtype):
         return False

@@ -119,8 +119,9 @@ class QuantLinear(nn.Module):
     format (quant_linear.c's QL_X8: ~1.5x faster at one row); `weight` then holds the GGUF
     bytes rearranged, which only the native kernel reads."""
 
-    # Where the float32 path overtakes the integer one on the SmolLM2 shapes (the 2-core AVX2
-    # EPYC here): even at 64 rows, 1.1-1.4x faster at 256-512 (bench/quant_linear.py).
+    # From this many rows the arithmetic, not the weights' bytes, decides, and the dequantized
+    # float32 panels catch up with the integer path (`python -m bench.quant_linear
+    # --prefill-paths`; docs/performance.md, "Quantized linear kernels").
     FLOAT_ROWS = 128
 
     def __init__(self, qtype, raw, shape: tuple[int, int], bias: torch.Tensor | None = None,

@@ -1,5 +1,5 @@
 """SpeechRunner: the worker's AudioGenerator. Runs the Piper voice (onnxruntime, one thread,
-no spinning: it shares 2 cores with torch) one segment per AudioStep.
+no spinning: it shares the cores with torch) one segment per AudioStep.
 
 The voice loads in a background thread at worker start (about 2 s), so the text model is
 ready to serve first; a speech step that arrives earlier waits for it.

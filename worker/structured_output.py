@@ -110,9 +110,9 @@ class GrammarCompiler:
     def compute_masks(self, matchers: list) -> np.ndarray:
         """The tokens each matcher allows next, uint8 0/1 [len(matchers), vocab].
 
-        Computed after the forward pass, not beside it: on a 2-core machine a mask thread
-        running during the forward steals a core from torch's threads, and the forward's
-        parallel regions then stall at every barrier (measured: 9x slower steps).
+        Computed after the forward pass, not beside it: when torch's threads hold every core, a
+        mask thread running during the forward steals one of them, and the forward's parallel
+        regions then stall at every barrier (several times slower steps).
         (llguidance.numpy, not llguidance.torch: importing the latter imports
         torch._dynamo, a 1.8 s stall of the first constrained step.)"""
         import llguidance.numpy as lln

@@ -3,7 +3,7 @@
  *
  * A decode step of SmolLM2-135M is 30 layers x ~25 small operations; driven from Python each
  * costs a few microseconds of dispatch (ctypes argument conversion, tensor allocation, views),
- * ~6 ms of a 29 ms one-token step on the 2-core EPYC here. This runs the same operations, the
+ * a fifth of a one-token step on a small CPU (docs/performance.md). This runs the same operations, the
  * same kernels (included below), in a C loop. Only steps whose sequences all feed one token
  * come here: prefill chunks, where the arithmetic dwarfs the dispatch, stay in Python.
  *

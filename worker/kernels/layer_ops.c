@@ -3,8 +3,8 @@
  *
  * In PyTorch each of these is 4-8 small ops (RMSNorm: float, pow, mean, add, rsqrt, mul, to,
  * mul), every one a dispatch of a few microseconds and a fresh tensor; at decode sizes the
- * dispatches, not the arithmetic, are the cost: ~10 ms of a 32 ms one-token step of
- * SmolLM2-135M (30 layers) on a 2-core EPYC. The math is Hugging Face Llama's.
+ * dispatches, not the arithmetic, are the cost (about a third of a one-token step of
+ * SmolLM2-135M's 30 layers; docs/performance.md). The math is Hugging Face Llama's.
  *
  * Rows are independent; large calls (prefill) split rows across threads.
  */

@@ -1,10 +1,9 @@
 /* y = x @ W^T (+ bias) with W packed once at load time, for every linear layer of the model.
  *
- * Why not PyTorch's GEMM: on the CPUs here its float32 GEMM runs the shapes a server sees
- * (4-64 rows of 576-1536 features against 576-49152 outputs) at a third to a half of the
- * machine's FMA peak, and the 49,152-wide lm_head at a quarter of it (measured with torch 2.13
- * / MKL 2024.2 on a 2-core EPYC: 16 rows x lm_head 21.7 ms, compute alone allows ~5 ms).
- * A decode step is almost all such GEMMs.
+ * Why not PyTorch's GEMM: MKL's float32 GEMM is tuned for large square products; the shapes a
+ * server sees (4-64 rows of 576-1536 features against 576-49152 outputs) run at a fraction of
+ * the machine's FMA peak, the wide lm_head worst (figures: docs/performance.md). A decode step
+ * is almost all such GEMMs.
  *
  * Layout: W [N, K] is stored as panels of NR output features, each panel [K][NR] contiguous,
  * so the inner loop streams one panel front to back while MR rows of x are broadcast against
@@ -47,7 +46,7 @@
 #define NR (2 * VLEN)
 #define MR LOOM_MR
 /* Rows per block: 96 x up to 1536 float32 features fit a 1 MiB L2 beside a panel; 96 was
- * 3-5% faster than 48 at 64-512 rows on the EPYC here (192 and 24 were slower). */
+ * 3-5% faster than 48 at 64-512 rows on an AVX2 EPYC (192 and 24 were slower). */
 #ifndef LOOM_MC
 #define LOOM_MC 96
 #endif
@@ -73,7 +72,7 @@ static inline vec vload_bf16(const uint16_t *p) {
 
 /* The first row tile of a panel pulls the next panel of its chunk into cache as it goes: one
  * cache line per k step, the rate the tile consumes its own panel. 3-12% faster at 4-64 rows
- * on the EPYC here; prefetching two panels ahead, into L2 only, or across chunks was slower. */
+ * on an AVX2 EPYC; prefetching two panels ahead, into L2 only, or across chunks was slower. */
 #define PREFETCH 1
 #define PF_DIST 1
 

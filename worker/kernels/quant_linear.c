@@ -9,8 +9,9 @@
  * Integer path (loom_quant_linear; what llama.cpp does): each row of x is quantized once per
  * call to 8 bits per 32-element block (x^ = d_x * q_x, |x - x^| <= d_x / 2), so a weight
  * block meets its activations in integer multiply-adds (the SIMD section below) and one float
- * multiply-add per block, instead of widening every weight to float32: 2-4x the float32
- * kernel's speed at one row on the 2-core EPYC here (AVX2), ~0.7-1x of it at 64-512 rows. Every format's weights are
+ * multiply-add per block, instead of widening every weight to float32: several times the
+ * float32 kernel's speed at one row, where the weights' bytes decide, and about as fast at
+ * hundreds of rows, where the arithmetic does (docs/performance.md). Every format's weights are
  * w = d * q + o per 32 (Q6_K: per 16; q unsigned, Q8_0's signed), so
  *     sum_i w_i x^_i = d d_x sum_i q_i q_x_i  +  o d_x sum_i q_x_i,
  * the first an integer dot product per block, the second the block's offset against the sum
@@ -437,7 +438,7 @@ enum { QL_Q4_0 = 2, QL_Q4_1 = 3, QL_Q5_0 = 6, QL_Q5_1 = 7, QL_Q8_0 = 8,
 #define QL_C LOOM_QUANT_C
 /* Prefetch distance (bytes) in the weight stream: a one-row GEMV does too little work per
  * byte for the hardware prefetcher alone to hide DRAM latency (which stops at every 4 KiB
- * page). 1.2-1.5x faster one-row passes over the whole model here; 1 KiB and 4 KiB were no
+ * page). 1.2-1.5x faster one-row passes over the whole model on AVX2; 1 KiB and 4 KiB were no
  * better. */
 #ifndef LOOM_QUANT_PF
 #define LOOM_QUANT_PF 2048
@@ -596,7 +597,7 @@ static void ql_quantize_row(const float *x, const ql_acts *a, const int64_t row)
  * [second halves of both]: with the activations stored in that order, two multiply-adds and
  * one int16 add give each block's sums in its own 128-bit lane, and the conversion, scaling
  * and accumulation that follow are shared by the two blocks (2 x 31 x 127 x 2 fits int16).
- * Per weight row and pair: 25 instructions instead of 34 (one-row GEMV 1.3x faster here). */
+ * Per weight row and pair: 25 instructions instead of 34. */
 #if defined(QS_AVX2)
 QS_INLINE int ql_pairs(const int qt) {
     return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q5_1;
@@ -1184,7 +1185,7 @@ static void *ql_scratch_for(size_t bytes) {
 
 /* At hundreds of rows (a prefill chunk) the arithmetic, not the weight traffic, is what
  * counts, and on AVX2 without VNNI packed_linear.c's float32 FMA tile does it faster than the
- * integer path (~32 vs ~24 GMAC/s per core on the EPYC here): each panel of NR weight rows is
+ * integer path (docs/performance.md, "Quantized linear kernels"): each panel of NR weight rows is
  * dequantized once per call into packed_linear.c's panel layout and multiplied with all rows
  * by its tile. The output is x @ W^T to float32 rounding, with no activation quantization:
  * different numbers from the integer path, so a caller picks one path per kind of call. */

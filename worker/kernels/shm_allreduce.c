@@ -2,9 +2,9 @@
  * memory (worker/shm_allreduce.py): each rank copies its part into its own slot, raises its
  * sequence flag, waits for every other rank's flag, and sums all slots in rank order.
  *
- * gloo's all-reduce goes through loopback TCP: 285 us for one token's [1, 576] floats between
- * two processes on the 2-core dev machine, and a decoder layer needs two; here it is a copy,
- * a flag and a sum (vLLM's CPU backend does the same for its tensor parallelism).
+ * gloo's all-reduce goes through loopback TCP, hundreds of microseconds for one token's floats,
+ * and a decoder layer needs two (docs/performance.md); here it is a copy, a flag and a sum
+ * (vLLM's CPU backend does the same for its tensor parallelism).
  *
  * Every rank reads every slot in the same order, so every rank gets the same bits (the
  * replicated hidden state must not drift apart between ranks). Two phases of slots

@@ -261,9 +261,8 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         """Store every float32 projection column-major (W^T contiguous, same logical shape).
 
         PyTorch's CPU float32 GEMM runs x @ W^T 2-8x faster at 4-48 rows (the decode batches a
-        server runs) when W^T is contiguous, and no slower at prefill sizes (measured with
-        torch 2.13 on this project's 2-core machine; bfloat16 gains nothing, so it is left
-        alone). A tied lm_head gets its own copy: the embedding lookup wants rows contiguous.
+        server runs) when W^T is contiguous, and no slower at prefill sizes (bfloat16 gains
+        nothing, so it is left alone). A tied lm_head gets its own copy: the embedding lookup wants rows contiguous.
         """
         if self.embed_tokens.weight.dtype != torch.float32:
             return

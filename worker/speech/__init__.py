@@ -31,10 +31,10 @@ The extra needs exactly:
 (numpy is already a core dependency.) Pin piper-tts: phonemize.py uses its internal
 espeakbridge module, which has no stability promise.
 
-Two choices rest on measurements (python -m bench.voice, 2 cores): segments are
-synthesized one by one, since batching them did not raise throughput (batch 1/2/4: 9.6/8.7/8.0
-s of audio per second); and onnxruntime runs one intra-op thread without spinning, since two
-spinning threads (its default) nearly doubled wall time while the LLM worker was busy.
+Two choices rest on measurements (python -m bench.voice): segments are synthesized one by
+one, since batching them did not raise throughput; and onnxruntime runs one intra-op thread
+without spinning, since spinning threads (its default) take the cores the LLM worker computes
+on.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def is_available() -> bool:
 def load_default_voice(
     *, intra_op_threads: int = 1, allow_spinning: bool = False, seed: int | None = None
 ) -> OnnxVoice:
-    """Load en_US-joe-medium. Defaults suit a 2-core machine shared with a PyTorch
-    worker: one intra-op thread, no busy-waiting (see OnnxVoice.load)."""
+    """Load en_US-joe-medium. Defaults suit a machine whose cores a PyTorch worker also
+    computes on: one intra-op thread, no busy-waiting (see OnnxVoice.load)."""
     try:
         from .voice import OnnxVoice
     except ImportError as error:

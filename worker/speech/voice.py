@@ -42,9 +42,9 @@ def session_options(intra_op_threads: int, allow_spinning: bool) -> ort.SessionO
     # One model, run sequentially: an inter-op pool would only add idle threads.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # ORT's pool threads busy-wait for new work after each op by default; on a
-    # 2-core machine that steals the core from the PyTorch worker (and from ORT's own
-    # next op when there is contention), so spinning is off unless asked for.
+    # ORT's pool threads busy-wait for new work after each op by default; with the cores
+    # shared, that steals a core from the PyTorch worker (and from ORT's own next op when
+    # there is contention), so spinning is off unless asked for.
     options.add_session_config_entry(
         "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
     )
