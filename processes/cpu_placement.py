@@ -88,7 +88,7 @@ def shorten_time_slice(slice_ns: int = SERVICE_SLICE_NS) -> bool:
     ZeroMQ I/O thread has to take a core from one of them, and EEVDF lets a running thread
     finish its slice (milliseconds) before a woken thread of the same slice gets the core; one
     with a shorter slice gets it at once (Linux 6.12+): TTFT at c=1 comes closer to the
-    prefill forward, throughput is unchanged (docs/performance.md, "Scheduling and IPC"). The
+    prefill forward, throughput is unchanged (docs/performance.md, "The CPU model path"). The
     nice value, and so the CPU share, stay as they are.
     """
     number = _SYS_SCHED_SETATTR.get(platform.machine())
