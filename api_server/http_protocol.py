@@ -9,7 +9,6 @@ buffers without limit, and a connection that never finishes its head is held for
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import resource
 
@@ -175,5 +174,5 @@ def fit_descriptor_limit(limits: HttpLimits) -> HttpLimits:
     fitted = max(1, soft - _RESERVED_FDS)
     logger.warning("--max-connections %d lowered to %d: the open-files limit is %d (raise "
                    "`ulimit -n`)", limits.max_connections, fitted, soft)
-    return dataclasses.replace(limits, max_connections=fitted)
+    return msgspec.structs.replace(limits, max_connections=fitted)
 

@@ -32,7 +32,7 @@ from api_server.serving_context import ServingContext
 from api_server.speech_route import SpeechRoute
 from api_server.tokenizer import TextTokenizer
 from pipelines.checkpoint.bert_config import BertConfig
-from pipelines.checkpoint.model_config import load_model_config, resolve_max_model_len
+from pipelines.checkpoint.model_config import load_model_config
 from pipelines.config import PipelineConfig, ServerConfig
 from pipelines.status import PipelineTask
 from processes.cpu_placement import CpuPlacement
@@ -136,10 +136,10 @@ class Launcher:
     def start_children(self) -> None:
         cfg = self.cfg
         mp = multiprocessing.get_context("spawn")
-        threads = cfg.device.num_threads or max(1, os.cpu_count() or 1)
-        placement = CpuPlacement.plan(threads) if cfg.device.cpu_placement else None
-        log_level = cfg.server.log_level
-        ranks = cfg.device.tensor_parallel_size
+        threads = cfg.device_config.num_threads or max(1, os.cpu_count() or 1)
+        placement = CpuPlacement.plan(threads) if cfg.device_config.cpu_placement else None
+        log_level = cfg.server_config.log_level
+        ranks = cfg.device_config.tensor_parallel_size
         # A model split over `ranks` workers: the threads and cores shared among them.
         self.children = [
             mp.Process(target=run_role, name="loom-worker" + (f"-{rank}" if ranks > 1 else ""),
@@ -149,8 +149,8 @@ class Launcher:
         ]
         self.children.append(
             mp.Process(target=run_role, name="loom-scheduler",
-                       args=(SCHEDULER_ENTRY, cfg.batching, cfg.kv_cache, log_level,
-                             self.endpoints, placement, ranks)))
+                       args=(SCHEDULER_ENTRY, cfg, log_level, self.endpoints, placement,
+                             ranks)))
         for child in self.children:
             child.start()
         if placement is not None:  # after the children, which inherit this process' cores
@@ -192,8 +192,8 @@ class Launcher:
         finish, then stop."""
         state.draining = True
         logger.info("shutting down: draining %d in-flight requests (up to %gs)",
-                    engine.num_in_flight, self.cfg.server.shutdown_timeout)
-        deadline = time.monotonic() + self.cfg.server.shutdown_timeout
+                    engine.num_in_flight, self.cfg.server_config.shutdown_timeout)
+        deadline = time.monotonic() + self.cfg.server_config.shutdown_timeout
         while engine.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         server.should_exit = True
@@ -209,25 +209,23 @@ class Launcher:
 
     async def serve(self, listen_socket: socket.socket) -> int:
         cfg = self.cfg
-        model, server_cfg = cfg.model, cfg.server
+        model, server_cfg = cfg.model_config, cfg.server_config
         metrics = Metrics(model.served_model_name)
         engine = EngineClient(self.endpoints, metrics)
         engine.start()
         embedding_dim = None
         if model.task is PipelineTask.EMBEDDINGS_GENERATION:
-            bert = BertConfig.from_dir(model.model_dir)
-            max_model_len, embedding_dim, eos = bert.max_seq_length, bert.hidden_size, []
+            embedding_dim, eos = BertConfig.from_dir(model.model_path).hidden_size, []
         else:
-            model_config = load_model_config(model.model_dir)
-            max_model_len = resolve_max_model_len(model_config, model.max_model_len)
-            eos = model_config.eos_token_ids
-        tokenizer = TextTokenizer(model.tokenizer_dir or model.model_dir, max_model_len, eos,
+            eos = load_model_config(model.model_path).eos_token_ids
+        max_model_len = model.max_length  # (resolved by the CLI)
+        tokenizer = TextTokenizer(model.tokenizer or model.model_path, max_model_len, eos,
                                   server_cfg.media)
         tokenizer.warm_up()
         _import_streaming_backend()
         state = ServerState(engine, server_cfg.admission)
         speech = SpeechRoute(engine, state, metrics)
-        serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_dir},
+        serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
                                  max_model_len, state, server_cfg, model.task, embedding_dim,
                                  extra_model_cards=speech.model_cards)
         if server_cfg.trust_request_chat_template:
@@ -268,7 +266,8 @@ class Launcher:
 
     async def _wait_ready(self, engine: EngineClient, watcher: asyncio.Task) -> None:
         ready = asyncio.ensure_future(engine.wait_ready())
-        done, _ = await asyncio.wait({ready, watcher}, timeout=self.cfg.server.startup_timeout,
+        done, _ = await asyncio.wait({ready, watcher},
+                                     timeout=self.cfg.server_config.startup_timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         if ready in done:
             try:
@@ -280,7 +279,7 @@ class Launcher:
         if watcher in done:
             raise StartupError(engine.dead_reason or "a child process died during start-up")
         raise StartupError(f"the engine did not become ready in "
-                           f"{self.cfg.server.startup_timeout:.0f}s")
+                           f"{self.cfg.server_config.startup_timeout:.0f}s")
 
 
 def _rank_placement(placement: CpuPlacement | None, rank: int,
@@ -320,8 +319,8 @@ def _event_loop_factory():
 
 def serve(cfg: PipelineConfig) -> int:
     try:
-        check_exposure(cfg.server)
-        listen_socket = bind_listen_socket(cfg.server.host, cfg.server.port)
+        check_exposure(cfg.server_config)
+        listen_socket = bind_listen_socket(cfg.server_config.host, cfg.server_config.port)
     except StartupError as exc:
         print(f"loom: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -28,7 +28,7 @@ from api_server.server_state import ServerState
 from api_server.structured import schema_for_response_format
 from api_server.tokenizer import TextTokenizer
 from api_server.tool_parsers import resolve_tool_call_parser
-from pipelines.config import ServedModelConfig, ServerConfig
+from pipelines.config import ServerConfig
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
@@ -51,7 +51,7 @@ class ServingContext:
     def __init__(self, engine: EngineClient, tokenizer: TextTokenizer, model_name: str,
                  model_aliases: set[str], max_model_len: int, state: ServerState,
                  server: ServerConfig = ServerConfig(),
-                 task: PipelineTask = ServedModelConfig.task,
+                 task: PipelineTask = PipelineTask.TEXT_GENERATION,
                  embedding_dim: int | None = None,
                  extra_model_cards: Callable[[int], list[dict]] = lambda created: []) -> None:
         self.engine = engine

@@ -126,18 +126,18 @@ def run_ceiling(cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -
 def _make_runner(cfg: CeilingConfig, max_len: int):
     # Imported here so `bench.run --skip-ceiling` never loads the worker package.
     from pipelines.checkpoint.model_config import load_model_config
+    from pipelines.config import PipelineConfig
     from worker.device import DTYPES
     from worker.kv_cache import bytes_per_block
     from worker.model_runner import ModelRunner
-    from worker.runner_config import RunnerConfig
 
     # Exactly the blocks the largest batch needs: the default sizing would take 40% of RAM.
     num_blocks = st.blocks_needed(max(cfg.batch_sizes), max_len, cfg.block_size)
     per_block = bytes_per_block(load_model_config(cfg.model_dir), DTYPES[cfg.dtype],
                                 cfg.block_size)
-    return ModelRunner(RunnerConfig(
-        model_dir=cfg.model_dir, dtype=cfg.dtype, block_size=cfg.block_size,
-        max_model_len=max_len, max_num_seqs=max(cfg.batch_sizes),
+    return ModelRunner(PipelineConfig.for_model(
+        cfg.model_dir, dtype=cfg.dtype, kv_cache_page_size=cfg.block_size,
+        max_length=max_len, max_batch_size=max(cfg.batch_sizes),
         kv_cache_memory=num_blocks * per_block,
     ))
 

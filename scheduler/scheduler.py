@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pipelines.config import BatchingConfig
+from pipelines.config import PipelineConfig
 from pipelines.context import TextContext
 from pipelines.response import LogProbabilities, RequestTimings, TextGenerationOutput
 from pipelines.status import GenerationStatus
@@ -31,16 +31,6 @@ from scheduler.step_builder import build_step_batch
 from serialization.messages import NewRequest, SchedulerStats, StepBatch, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerConfig:
-    """The scheduling policy's limits: the configuration's batching, and the context length
-    resolved against the model."""
-
-    max_num_seqs: int = BatchingConfig.max_num_seqs
-    max_num_batched_tokens: int = BatchingConfig.max_num_batched_tokens
-    max_model_len: int = 8192
 
 
 @dataclass
@@ -55,8 +45,13 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
-        self.config = config
+    def __init__(self, pipeline_config: PipelineConfig, blocks: BlockManager) -> None:
+        if pipeline_config.model_config.max_length is None:
+            raise ValueError("the scheduler needs the resolved context length (max_length)")
+        self.max_batch_size = pipeline_config.max_batch_size
+        self.max_batch_input_tokens = pipeline_config.max_batch_input_tokens
+        self.enable_chunked_prefill = pipeline_config.enable_chunked_prefill
+        self.max_model_len = pipeline_config.model_config.max_length
         self.blocks = blocks
         self.waiting: deque[TextContext] = deque()
         self.running: list[TextContext] = []
@@ -125,7 +120,7 @@ class Scheduler:
         """The next step, or None if nothing can run. `ahead`: built while earlier steps are
         still running, so it may not preempt (their contexts hold placeholders); it gives up
         instead, and the step is built once they are done."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_batch_input_tokens
         scheduled: list[TextContext] = []
         num_new: dict[str, int] = {}
         admitted: set[str] = set()
@@ -156,7 +151,7 @@ class Scheduler:
 
         # Then waiting requests, in arrival order, while everything they need is there.
         while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.max_batch_size):
             ctx = self.waiting[0]
             cached = []
             if ctx.start_idx == 0 and not ctx.log_probabilities_echo:
@@ -164,6 +159,8 @@ class Scheduler:
                 cached = self._cached_prefix(ctx)
             start = len(cached) * self.blocks.block_size if cached else ctx.start_idx
             n = min(ctx.end_idx - start, budget)
+            if n < ctx.end_idx - start and not self.enable_chunked_prefill:
+                break  # (the whole prompt in a step of its own, later)
             if not self.blocks.allocate(ctx.request_id, start + n, cached):
                 break
             if cached:
@@ -189,7 +186,7 @@ class Scheduler:
 
     def _finishes_with_pending_token(self, ctx: TextContext) -> bool:
         """Its placeholder token is the last it may have: it is done once that arrives."""
-        limit = min(ctx.max_length, self.config.max_model_len)
+        limit = min(ctx.max_length, self.max_model_len)
         return ctx.num_future > 0 and ctx.end_idx >= limit
 
     def _preempt(self, ctx: TextContext) -> None:
@@ -261,7 +258,7 @@ class Scheduler:
             # Blocks full of tokens this step computed (steps queued behind it are not done).
             self.blocks.register_full_blocks(ctx.request_id, ctx.prefix_cache_tokens,
                                              int(step.batch.seq_lens[i]), ctx.cache_salt)
-            if ctx.end_idx - ctx.num_future >= self.config.max_model_len and not ctx.is_done:
+            if ctx.end_idx - ctx.num_future >= self.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             if i in prompt_logprobs:
                 self._prompt_logprobs.setdefault(ctx.request_id, []).extend(prompt_logprobs[i])

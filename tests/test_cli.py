@@ -29,6 +29,52 @@ def test_help_documents_every_flag():
         assert flag in out
 
 
+def test_readme_flag_table_and_help_agree():
+    """Each row of README.md's configuration table names flags in its first column (in
+    backticks); every one of them is a flag of `loom serve --help`, and every setting with a
+    flag is in some row under at least one of its spellings."""
+    import re
+
+    from pipelines.config import PipelineConfig
+    from pipelines.flags import flag_names, setting_fields
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `-")]
+    documented = {flag for row in rows for flag in re.findall(r"`(-[-a-z0-9]+)`", row)}
+    helped = set(re.findall(r"(?<![\w-])(--?[a-z][-a-z0-9]*)", run("serve", "--help").stdout))
+    assert documented and documented <= helped, documented - helped
+    undocumented = [name for name, _, _, flag in setting_fields(PipelineConfig)
+                    if flag is not None
+                    and not documented & {*flag_names(name, flag), *flag.negations}]
+    assert not undocumented, undocumented
+
+
+def test_max_and_vllm_spellings_land_on_the_same_setting(tiny_model_dir):
+    from api_server.cli import build_parser, serve_config_from_args
+
+    def config(*flags):
+        args = build_parser().parse_args(["serve", "--model", tiny_model_dir, *flags])
+        return serve_config_from_args(args)
+
+    pairs = [(["--max-batch-size", "3"], ["--max-num-seqs", "3"]),
+             (["--max-length", "100"], ["--max-model-len", "100"]),
+             (["--max-batch-input-tokens", "50"], ["--max-num-batched-tokens", "50"]),
+             (["--kv-cache-page-size", "8"], ["--block-size", "8"]),
+             (["--devices", "gpu:1"], ["--device", "cuda:1"]),
+             (["--quantization-encoding", "int8"], ["--quantization", "int8"]),
+             (["--device-memory-utilization", "0.5"], ["--gpu-memory-utilization", "0.5"]),
+             (["--no-enable-prefix-caching"], ["--no-prefix-caching"]),
+             (["--model-path", "/elsewhere"], ["--model", "/elsewhere"])]
+    default = config()
+    for max_flags, vllm_flags in pairs:
+        assert config(*max_flags) == config(*vllm_flags) != default, max_flags
+    cfg = config("--enforce-eager", "--max-num-seqs", "3", "--no-speech")
+    assert (cfg.device_config.cuda_graphs, cfg.max_batch_size,
+            cfg.speech_config.enable_speech) == (False, 3, False)
+
+
 def test_network_facing_host_needs_an_api_key(tiny_model_dir):
     env = {k: v for k, v in ENV.items() if k != "LOOM_API_KEY"}
     started = time.monotonic()
@@ -42,7 +88,7 @@ def test_network_facing_host_needs_an_api_key(tiny_model_dir):
 
 
 def test_which_hosts_count_as_loopback():
-    import dataclasses
+    import msgspec
 
     from api_server.launcher import StartupError, check_exposure, is_loopback
     from pipelines.config import ServerConfig
@@ -56,7 +102,7 @@ def test_which_hosts_count_as_loopback():
     with pytest.raises(StartupError):
         check_exposure(cfg)
     for allowed in (dict(api_key="k"), dict(allow_unauthenticated=True), dict(host="::1")):
-        check_exposure(dataclasses.replace(cfg, **allowed))
+        check_exposure(msgspec.structs.replace(cfg, **allowed))
 
 
 def test_wrong_model_path_is_one_clear_line(tmp_path):

@@ -80,12 +80,12 @@ def test_graph_replays_give_the_eager_forwards_logits(cuda_model_dir):
     step, float32 (the graphs' padded rows and static tables change nothing)."""
     import numpy as np
 
+    from pipelines.config import PipelineConfig
     from tests.test_cuda_graphs import _step
     from worker.model_runner import ModelRunner
-    from worker.runner_config import RunnerConfig
 
-    runner = ModelRunner(RunnerConfig(cuda_model_dir, device="cuda", dtype="float32",
-                                      block_size=16, max_model_len=512, max_num_seqs=16,
+    runner = ModelRunner(PipelineConfig.for_model(cuda_model_dir, devices="cuda", dtype="float32",
+                                      kv_cache_page_size=16, max_length=512, max_batch_size=16,
                                       kv_cache_memory=64 << 20))
     assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16]
     cache = runner.kv_cache

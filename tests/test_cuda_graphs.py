@@ -6,10 +6,10 @@ themselves are checked on a GPU (tests/test_cuda.py)."""
 import numpy as np
 import torch
 
+from pipelines.config import PipelineConfig
 from serialization.messages import StepBatch
 from worker.cuda_graphs import DecodeGraphs, capture_sizes, is_decode_only
 from worker.model_runner import ModelRunner
-from worker.runner_config import RunnerConfig
 
 BLOCK = 16
 
@@ -40,8 +40,8 @@ def test_only_steps_of_one_sampled_token_per_sequence_are_decode_only():
 
 
 def test_static_decode_buffers_give_the_ordinary_steps_logits(untied_tiny_model_dir):
-    runner = ModelRunner(RunnerConfig(untied_tiny_model_dir, block_size=BLOCK,
-                                      kv_cache_memory=8 << 20, max_model_len=256))
+    runner = ModelRunner(PipelineConfig.for_model(untied_tiny_model_dir, kv_cache_page_size=BLOCK,
+                                      kv_cache_memory=8 << 20, max_length=256))
     model, cache = runner.model, runner.kv_cache
     sink = runner.num_blocks - 1  # (never in a table below)
     graphs = DecodeGraphs(model, cache, BLOCK, runner.max_model_len, max_num_seqs=16,

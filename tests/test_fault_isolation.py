@@ -8,11 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import SamplingParams, TextContext
+from pipelines.config import PipelineConfig
 from pipelines.status import GenerationStatus
 from tests.helpers import hf_greedy
 from worker import logits_processors
 from worker.pipeline import TextGenerationPipeline
-from worker.runner_config import RunnerConfig
 from worker.structured_output import GrammarCompiler
 
 NEW_TOKENS = 8
@@ -61,7 +61,7 @@ def test_a_failing_request_fails_alone(untied_tiny_model_dir, oracle, monkeypatc
     if patch is not None:
         monkeypatch.setattr(*patch)
     prompts, expected = oracle
-    pipeline = TextGenerationPipeline(RunnerConfig(untied_tiny_model_dir,
+    pipeline = TextGenerationPipeline(PipelineConfig.for_model(untied_tiny_model_dir,
                                                    kv_cache_memory=4 << 20))
     honest = [TextContext(max_length=len(ids) + NEW_TOKENS, tokens=np.array(ids),
                           log_probabilities=2 if i == 0 else 0)

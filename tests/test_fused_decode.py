@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from pipelines import SamplingParams, TextContext
+from pipelines.config import PipelineConfig
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from tests.helpers import make_tiny_checkpoint
 from worker.attention import build_attention_metadata
 from worker.model_runner import ModelRunner
-from worker.runner_config import RunnerConfig
 
 
 # qwen2: a qkv bias; bfloat16: bf16 weights and cache, float32 activations; quantized: GGUF
@@ -22,8 +22,9 @@ def runner(request, smollm2_dir, tmp_path_factory):
     arch, dtype = request.param
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(arch)), smollm2_dir,
                                 architecture=arch, seed=3)
-    runner = ModelRunner(RunnerConfig(path, dtype="float32" if dtype == "quantized" else dtype,
-                                      block_size=4, kv_cache_memory=8 << 20))
+    runner = ModelRunner(PipelineConfig.for_model(
+        path, dtype="float32" if dtype == "quantized" else dtype, kv_cache_page_size=4,
+        kv_cache_memory=8 << 20))
     if dtype == "quantized":
         quantize_projections(runner.model, path)
     if runner.model.fused_decode is None:
@@ -66,7 +67,7 @@ def quantize_projections(model, checkpoint: str) -> None:
 
 def test_decode_step_logits_equal_the_python_path(runner):
     blocks = BlockManager(runner.num_blocks, 4)
-    sched = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_length=runner.max_model_len), blocks)
     rng = np.random.default_rng(0)
     for n in (3, 17, 40, 9):  # several lengths: partial blocks, different tables
         sched.add_request(TextContext(max_length=n + 8, tokens=rng.integers(5, 400, n),

@@ -15,8 +15,9 @@ from pipelines.checkpoint.model_config import (
     model_config_from_dict,
     resolve_max_model_len,
 )
+from pipelines.config import PipelineConfig
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from tests.helpers import hf_greedy, save_with_tokenizer
 from tests.test_model_oracle import run_engine as oracle_run_engine
 from tests.test_model_oracle import run_engine_overlapped
@@ -25,7 +26,6 @@ from worker.model_runner import ModelRunner
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.registry import model_class
-from worker.runner_config import RunnerConfig
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",
@@ -67,7 +67,8 @@ def make_tiny_gemma3(target: str, tokenizer_dir: str, seed: int = 0, **overrides
 
 
 def gemma_runner(path: str, **options) -> ModelRunner:
-    cfg = RunnerConfig(path, **{"block_size": 4, "kv_cache_memory": 8 << 20, **options})
+    cfg = PipelineConfig.for_model(
+        path, **{"kv_cache_page_size": 4, "kv_cache_memory": 8 << 20, **options})
     runner = ModelRunner(cfg)
     assert isinstance(runner.model, Gemma3ForCausalLM)
     assert runner.model.fused_decode is None
@@ -157,8 +158,8 @@ def test_prefix_hits_and_overlap_scheduling_match(gemma):
 
 def first_step_logits(runner, ids, block_size=4):
     blocks = BlockManager(runner.num_blocks, block_size)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512,
-                                      max_model_len=runner.max_model_len), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_batch_input_tokens=512,
+                                      max_length=runner.max_model_len), blocks)
     for p in ids:
         sched.add_request(TextContext(max_length=len(p) + 1, tokens=np.array(p)))
     step = sched.schedule().batch
@@ -231,7 +232,7 @@ def test_bfloat16_matches_float32_on_bf16_weights(smollm2_dir, tmp_path):
     """bfloat16 weights and KV cache (computing in float32 where the packed kernel runs):
     transformers in float32 on the same bf16-rounded weights, but for the cache's rounding."""
     path = make_tiny_gemma3(str(tmp_path), smollm2_dir, seed=5)
-    runner = gemma_runner(path, dtype="bfloat16", block_size=16, kv_cache_memory=16 << 20)
+    runner = gemma_runner(path, dtype="bfloat16", kv_cache_page_size=16, kv_cache_memory=16 << 20)
     assert runner.kv_cache.dtype == torch.bfloat16
     if runner.model.compute_dtype != torch.float32:
         pytest.skip("no packed kernel here: bfloat16 computes in bfloat16")

@@ -143,11 +143,12 @@ def test_the_n_choices_of_a_chat_are_admitted_as_one_request(server):
 def test_many_aborts_cost_linear_time():
     import numpy as np
 
+    from pipelines.config import PipelineConfig
     from pipelines.context import TextContext
     from scheduler.block_manager import BlockManager
-    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.scheduler import Scheduler
 
-    sched = Scheduler(SchedulerConfig(), BlockManager(64, 16, True))
+    sched = Scheduler(PipelineConfig().replace(max_length=8192), BlockManager(64, 16, True))
     ids = [f"r{i}" for i in range(20_000)]
     for rid in ids:
         sched.add_request(TextContext(request_id=rid, max_length=8, tokens=np.array([1, 2])))

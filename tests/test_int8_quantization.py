@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api_server.cli import build_parser, serve_config_from_args
 from api_server.launcher import StartupError
+from pipelines.config import PipelineConfig
 from tests.test_model_oracle import run_engine
 from worker.model_runner import ModelRunner
 from worker.quant_linear import QuantEmbedding, QuantLinear
-from worker.runner_config import RunnerConfig
 
 TIE_NATS = 0.5
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a time, there was",
@@ -25,8 +25,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a ti
 
 
 def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir):
-    runner = ModelRunner(RunnerConfig(smollm2_dir, quantization="int8", block_size=16,
-                                      kv_cache_memory=64 << 20, max_model_len=512))
+    runner = ModelRunner(PipelineConfig.for_model(
+        smollm2_dir, quantization_encoding="int8", kv_cache_page_size=16,
+        kv_cache_memory=64 << 20, max_length=512))
     layers = runner.model.layers
     projections = [m for layer in layers for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -57,18 +58,18 @@ def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir):
 
 
 def _config(*args):
-    return serve_config_from_args(build_parser().parse_args(["serve", *args])).model
+    return serve_config_from_args(build_parser().parse_args(["serve", *args])).model_config
 
 
 def test_weight_flags_resolve_as_documented(smollm2_dir, tmp_path):
     gguf = str(tmp_path / "m.gguf")
     # (No --dtype: the worker's device decides, float32 on the CPU and bfloat16 on a GPU.)
-    assert (_config("--model", smollm2_dir).dtype, _config("--model", smollm2_dir).quantization) \
-        == (None, None)
-    assert _config("--model", smollm2_dir, "--quantization", "int8").quantization == "int8"
-    assert _config("--model", gguf).quantization == "gguf"  # kept as the file stores it
+    plain = _config("--model", smollm2_dir)
+    assert (plain.dtype, plain.quantization_encoding) == (None, None)
+    assert _config("--model", smollm2_dir, "--quantization", "int8").quantization_encoding == "int8"
+    assert _config("--model", gguf).quantization_encoding == "gguf"  # kept as the file stores it
     widened = _config("--model", gguf, "--dtype", "bfloat16")
-    assert (widened.dtype, widened.quantization) == ("bfloat16", None)
+    assert (widened.dtype, widened.quantization_encoding) == ("bfloat16", None)
     for bad in (["--model", gguf, "--quantization", "int8"],
                 ["--model", smollm2_dir, "--quantization", "gguf"],
                 ["--model", smollm2_dir, "--quantization", "int8", "--dtype", "bfloat16"]):

@@ -13,25 +13,26 @@ import numpy as np
 import pytest
 
 from pipelines import SamplingParams, TextContext
+from pipelines.config import PipelineConfig
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from serialization.messages import StepBatch, StepResult
 from tests.helpers import ROOT
 from worker.model_runner import ModelRunner
 from worker.process import answer_step
-from worker.runner_config import RunnerConfig
 
 BLOCK = 16  # the native prefill kernel's block size, so both attention kernels run
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    return ModelRunner(RunnerConfig(tiny_model_dir, block_size=BLOCK, kv_cache_memory=4 << 20))
+    return ModelRunner(PipelineConfig.for_model(tiny_model_dir, kv_cache_page_size=BLOCK,
+                                                kv_cache_memory=4 << 20))
 
 
 def new_scheduler(runner) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                     max_model_len=runner.max_model_len),
+    return Scheduler(PipelineConfig().replace(max_batch_size=8, max_batch_input_tokens=256,
+                                     max_length=runner.max_model_len),
                      BlockManager(runner.num_blocks, BLOCK, False))
 
 

@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import SamplingParams, TextContext
+from pipelines.config import PipelineConfig
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from tests.helpers import hf_greedy, make_tiny_checkpoint
 from worker.model_runner import ModelRunner
-from worker.runner_config import RunnerConfig
 
 PROMPTS = [
     "The quick brown fox",
@@ -27,8 +27,8 @@ def run_engine(runner, prompts_ids, budget=512, block_size=4, num_blocks=None, p
                new_tokens=NEW_TOKENS):
     """Scheduler + runner in one process: the same step path the processes use."""
     blocks = BlockManager(num_blocks or runner.num_blocks, block_size, prefix)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
-                                      max_model_len=runner.max_model_len), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_batch_size=16, max_batch_input_tokens=budget,
+                                      max_length=runner.max_model_len), blocks)
     ctxs = [TextContext(max_length=len(p) + new_tokens, tokens=np.array(p), eos_token_ids=set(),
                         sampling_params=SamplingParams()) for p in prompts_ids]
     for c in ctxs:
@@ -47,8 +47,8 @@ def run_engine_overlapped(runner, prompts_ids, budget=512, block_size=4, num_blo
     """The scheduler process's order of events, in one process: while step N "runs", step
     N+1 is built ahead (placeholders for N's tokens); N's result is applied before N+1 runs."""
     blocks = BlockManager(num_blocks or runner.num_blocks, block_size, True)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
-                                      max_model_len=runner.max_model_len), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_batch_size=16, max_batch_input_tokens=budget,
+                                      max_length=runner.max_model_len), blocks)
     stop_ids = stop_ids or [set()] * len(prompts_ids)
     ctxs = [TextContext(max_length=len(p) + new_tokens, tokens=np.array(p), eos_token_ids=s,
                         sampling_params=SamplingParams()) for p, s in zip(prompts_ids, stop_ids)]
@@ -75,7 +75,8 @@ def run_engine_overlapped(runner, prompts_ids, budget=512, block_size=4, num_blo
 def arch_model(request, smollm2_dir, tmp_path_factory):
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), smollm2_dir,
                                 architecture=request.param, seed=1)
-    runner = ModelRunner(RunnerConfig(path, block_size=4, kv_cache_memory=8 << 20))
+    runner = ModelRunner(PipelineConfig.for_model(path, kv_cache_page_size=4,
+                                                  kv_cache_memory=8 << 20))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     return runner, hf, tok
@@ -128,7 +129,8 @@ def test_first_step_logits_match(arch_model):
     runner, hf, tok = arch_model
     ids = [tok.encode(p) for p in PROMPTS[:3]]
     blocks = BlockManager(runner.num_blocks, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_model_len=runner.max_model_len), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_batch_input_tokens=512,
+                                               max_length=runner.max_model_len), blocks)
     for p in ids:
         sched.add_request(TextContext(max_length=len(p) + 1, tokens=np.array(p)))
     step = sched.schedule().batch
@@ -152,8 +154,9 @@ def _bf16_oracle(path):
 
 
 def _bf16_runner(path, block_size):
-    runner = ModelRunner(RunnerConfig(path, dtype="bfloat16", block_size=block_size,
-                                      max_model_len=512, kv_cache_memory=16 << 20))
+    runner = ModelRunner(PipelineConfig.for_model(path, dtype="bfloat16",
+                                                  kv_cache_page_size=block_size, max_length=512,
+                                                  kv_cache_memory=16 << 20))
     if runner.model.compute_dtype != torch.float32:
         pytest.skip("no packed kernel here: bfloat16 computes in bfloat16")
     assert runner.kv_cache.dtype == torch.bfloat16
@@ -198,8 +201,8 @@ def test_bfloat16_first_step_logits_match_float32_on_bf16_weights(arch, block_si
     hf, tok = _bf16_oracle(path), AutoTokenizer.from_pretrained(path)
     ids = [tok.encode(p) for p in PROMPTS]
     blocks = BlockManager(runner.num_blocks, block_size)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512,
-                                      max_model_len=runner.max_model_len), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_batch_input_tokens=512,
+                                      max_length=runner.max_model_len), blocks)
     for p in ids:
         sched.add_request(TextContext(max_length=len(p) + 1, tokens=np.array(p)))
     step = sched.schedule().batch

@@ -5,13 +5,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import SamplingParams, TextContext, TokenGenerator
+from pipelines.config import PipelineConfig
 from tests.helpers import hf_greedy
 from worker.pipeline import TextGenerationPipeline
-from worker.runner_config import RunnerConfig
 
 
 def test_next_token_matches_transformers_and_release_frees(tiny_model_dir):
-    pipeline = TextGenerationPipeline(RunnerConfig(tiny_model_dir, kv_cache_memory=4 << 20))
+    pipeline = TextGenerationPipeline(PipelineConfig.for_model(tiny_model_dir,
+                                                               kv_cache_memory=4 << 20))
     assert isinstance(pipeline, TokenGenerator)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -35,8 +36,8 @@ def test_chunked_prefill_and_a_context_left_out(tiny_model_dir):
     # steps that return nothing for it, and a context still running must be in every batch.
     import pytest
 
-    pipeline = TextGenerationPipeline(RunnerConfig(tiny_model_dir, kv_cache_memory=4 << 20),
-                                      max_num_batched_tokens=5)
+    pipeline = TextGenerationPipeline(PipelineConfig.for_model(
+        tiny_model_dir, kv_cache_memory=4 << 20, max_batch_input_tokens=5))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids = tok.encode("A prompt long enough to need several chunks of five tokens each, at least")

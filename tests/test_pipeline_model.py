@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipelines.config import PipelineConfig
 from serialization.messages import StepBatch
 from tests.helpers import make_tiny_checkpoint
 from worker.model_runner import ModelRunner
 from worker.pipeline_model import PipelineModel
-from worker.runner_config import RunnerConfig
 
 BLOCK = 4
 
@@ -20,7 +20,8 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def model_and_oracle(smollm2_dir, tmp_path_factory):
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("pm")), smollm2_dir, seed=3)
-    runner = ModelRunner(RunnerConfig(path, block_size=BLOCK, kv_cache_memory=8 << 20))
+    runner = ModelRunner(PipelineConfig.for_model(path, kv_cache_page_size=BLOCK,
+                                                  kv_cache_memory=8 << 20))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return runner, hf, AutoTokenizer.from_pretrained(path)
 

@@ -59,13 +59,14 @@ def test_chunked_prefill_with_prefix_hits_matches_transformers(smollm2_dir, tmp_
     # chunks and to prefix-cache blocks through the kernel; greedy output must equal HF's.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipelines.config import PipelineConfig
     from tests.helpers import hf_greedy, make_tiny_checkpoint
     from tests.test_model_oracle import NEW_TOKENS, PROMPTS, run_engine
     from worker.model_runner import ModelRunner
-    from worker.runner_config import RunnerConfig
 
     path = make_tiny_checkpoint(str(tmp_path), smollm2_dir, architecture="qwen2", seed=5)
-    runner = ModelRunner(RunnerConfig(path, block_size=16, kv_cache_memory=8 << 20))
+    runner = ModelRunner(PipelineConfig.for_model(path, kv_cache_page_size=16,
+                                                  kv_cache_memory=8 << 20))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     shared = "A long shared system preamble that many requests start with. " * 4

@@ -24,7 +24,7 @@ from api_server.qwen2_vl_processor import (
     mrope_positions,
 )
 from api_server.tokenizer import TextTokenizer
-from pipelines.config import MediaLimits
+from pipelines.config import MediaLimits, PipelineConfig
 from pipelines.vision_context import TextAndVisionContext
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage, StepImage
@@ -39,7 +39,6 @@ from tests.test_vision import (
     run_in_process,
 )
 from worker.model_runner import ModelRunner
-from worker.runner_config import RunnerConfig
 
 SHARPEN = 6.0
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -219,7 +218,7 @@ def tokenizer(vlm_dir):
 
 @pytest.fixture(scope="module")
 def runner(vlm_dir):
-    return ModelRunner(RunnerConfig(model_dir=vlm_dir, block_size=4, max_model_len=512,
+    return ModelRunner(PipelineConfig.for_model(vlm_dir, kv_cache_page_size=4, max_length=512,
                                     kv_cache_memory=8 << 20))
 
 

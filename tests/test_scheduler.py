@@ -3,14 +3,17 @@
 import numpy as np
 
 from pipelines import GenerationStatus, SamplingParams, TextContext
+from pipelines.config import PipelineConfig
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from serialization.messages import StepResult
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256, prefix=True):
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_len),
+def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256, prefix=True,
+                   **settings):
+    return Scheduler(PipelineConfig().replace(max_batch_size=max_seqs,
+                                              max_batch_input_tokens=budget, max_length=max_len,
+                                              **settings),
                      BlockManager(num_blocks, block_size, prefix))
 
 
@@ -47,6 +50,19 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     assert seen[3] == {"short": 1, "long": 1}
     assert long.generated_tokens.tolist() == [1003, 1004]
     assert long.prompt_tokens.tolist() == list(range(103, 123))
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_whole():
+    s = make_scheduler(budget=20, enable_chunked_prefill=False)
+    short = ctx(3, 20, rid="short")
+    s.add_request(short)
+    run_step(s)
+    s.add_request(ctx(20, 5, start=100, rid="long"))
+    step, _ = run_step(s)  # 1 decode + 20 prompt tokens exceed the budget: the decode alone
+    assert step.batch.request_ids == ["short"]
+    s.abort("short")
+    step, _ = run_step(s)
+    assert dict(zip(step.batch.request_ids, step.batch.query_lens.tolist())) == {"long": 20}
 
 
 def test_step_tensors_describe_positions_and_blocks():

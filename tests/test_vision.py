@@ -28,21 +28,20 @@ from api_server.reasoning_budget import close_thinking, continue_after_thinking
 from api_server.tokenizer import TextTokenizer
 from bench.server_metrics import parse_series
 from pipelines import SamplingParams
-from pipelines.config import KVCacheConfig, MediaLimits
+from pipelines.config import KVCacheConfig, MediaLimits, PipelineConfig
 from pipelines.request import TokenGeneratorRequest
 from pipelines.status import GenerationStatus
 from pipelines.vision_context import ImageMetadata, TextAndVisionContext
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage
 from tests.helpers import start_server
 from tests.tiny_idefics3 import make_tiny_idefics3
 from worker.model_runner import ModelRunner
-from worker.runner_config import RunnerConfig
 
 MAX_TOKENS = 10
-BLOCK = KVCacheConfig.block_size  # the server's KV block (its default): prefix hits are whole
+BLOCK = KVCacheConfig().kv_cache_page_size  # the server's KV block (default): hits are whole
 def random_image(width: int, height: int, seed: int) -> Image.Image:
     pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
@@ -362,7 +361,7 @@ def tokenizer(vlm_dir):
 
 @pytest.fixture(scope="module")
 def runner(vlm_dir):
-    return ModelRunner(RunnerConfig(model_dir=vlm_dir, block_size=4, max_model_len=512,
+    return ModelRunner(PipelineConfig.for_model(vlm_dir, kv_cache_page_size=4, max_length=512,
                                     kv_cache_memory=8 << 20))
 
 
@@ -391,8 +390,8 @@ def test_context_crosses_the_wire(tokenizer):
 
 def run_in_process(runner, contexts, budget, num_blocks=None, abort_after=None):
     blocks = BlockManager(num_blocks or runner.num_blocks, 4, True)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
-                                      max_model_len=runner.max_model_len), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_batch_size=8, max_batch_input_tokens=budget,
+                                      max_length=runner.max_model_len), blocks)
     for ctx in contexts:
         sched.add_request(ctx)
     steps = 0
@@ -498,7 +497,7 @@ def test_a_prefix_hit_inside_an_image_sends_the_image_again():
                                                       pixel_values=pixels)])
 
     blocks = BlockManager(32, 4, True)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_length=8192, max_batch_input_tokens=6), blocks)
     sched.add_request(ctx("a"))
     step = sched.schedule()  # a's tokens [0, 6): its image starts, and is sent
     assert [(i.request_id, i.start_idx) for i in step.batch.images] == [("a", 3)]
@@ -506,7 +505,7 @@ def test_a_prefix_hit_inside_an_image_sends_the_image_again():
     sched.update(step, StepResult(step_id=step.batch.step_id,
                                   sampled_token_ids=np.full(1, -1, np.int32)))
     sched.abort("a")  # (its full block [0, 4) stays cached: it ends inside the image)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=3), blocks)
+    sched = Scheduler(PipelineConfig().replace(max_length=8192, max_batch_input_tokens=3), blocks)
     sched.add_request(ctx("b"))
     step = sched.schedule()  # b: the hit [0, 4), then [4, 7): the image is sent again
     assert (step.batch.seq_lens[0], step.batch.query_lens[0]) == (7, 3)

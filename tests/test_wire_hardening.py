@@ -217,12 +217,12 @@ def test_a_full_queue_refuses_a_send_and_drops_nothing(tmp_path):
 @pytest.fixture
 def scheduler_loop(tmp_path, monkeypatch):
     """A real SchedulerLoop on ipc sockets, and the API's three sockets connected to it."""
-    from pipelines.config import BatchingConfig, KVCacheConfig
+    from pipelines.config import PipelineConfig
     from scheduler.process import SchedulerLoop
 
     monkeypatch.setitem(sockets.MAX_MESSAGE_BYTES, "cancel", 64 << 10)
     endpoints = Endpoints.ipc(str(tmp_path))
-    loop = SchedulerLoop(BatchingConfig(), KVCacheConfig(), endpoints)
+    loop = SchedulerLoop(PipelineConfig().replace(max_length=256), endpoints)
     api = zmq.Context()
     requests = make_socket(api, zmq.PUSH, endpoints.requests, bind=False)
     cancel = make_socket(api, zmq.PUSH, endpoints.cancel, bind=False)

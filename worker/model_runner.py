@@ -12,6 +12,7 @@ import torch
 from pipelines.checkpoint.gguf_file import dequantize, open_gguf
 from pipelines.checkpoint.gguf_tokenizer import is_gguf
 from pipelines.checkpoint.model_config import ModelConfig, load_model_config, resolve_max_model_len
+from pipelines.config import PipelineConfig
 from pipelines.context import FUTURE_TOKEN
 from serialization.messages import (
     NewRequest,
@@ -38,7 +39,6 @@ from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.pipeline_model import ModelInputs, ModelOutputs, PipelineModel
 from worker.quant_linear import QuantLinear
-from worker.runner_config import RunnerConfig
 from worker.sampler import RequestSamplingState, describe, sample_isolated
 from worker.structured_output import GrammarCompiler
 from worker.tensor_parallel import (
@@ -54,64 +54,73 @@ from worker.weights import load_checkpoint_weights, materialize_on_cpu
 logger = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig) -> None:
+    def __init__(self, pipeline_config: PipelineConfig, rank: int = 0) -> None:
+        """`rank`: of this worker among the tensor-parallel ones (0: the one that samples)."""
         started = time.monotonic()
-        self.cfg = cfg
-        self.config = load_model_config(cfg.model_dir)
-        self.device = _rank_device(resolve_device(cfg.device), cfg.rank)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.quantization = _quantization_on(self.device, cfg.quantization)
+        # Every setting this runner reads, read here.
+        model, kv = pipeline_config.model_config, pipeline_config.kv_cache_config
+        model_path, block_size = model.model_path, kv.kv_cache_page_size
+        self.max_batch_size = pipeline_config.max_batch_size  # (sizes the default KV cache)
+        self.max_batch_input_tokens = pipeline_config.max_batch_input_tokens  # (profiling)
+        self.kv_cache_memory = kv.kv_cache_memory
+        self.device_memory_utilization = kv.device_memory_utilization
+        self.cuda_graphs = pipeline_config.device_config.cuda_graphs
+        self.config = load_model_config(model_path)
+        self.device = _rank_device(resolve_device(pipeline_config.devices), rank)
+        self.dtype = resolve_dtype(model.dtype, self.device)
+        self.quantization = _quantization_on(self.device, model.quantization_encoding)
         if self.device.type != "cpu" and self.config.vision is not None:
             raise ValueError(f"--device {self.device}: vision-language models run on the CPU "
                              f"for now (--device cpu)")
-        self.block_size = cfg.block_size
-        self.max_model_len = resolve_max_model_len(self.config, cfg.max_model_len)
-        self.tp = _tensor_parallel_plan(cfg, self.config, self.quantization)
+        self.block_size = block_size
+        self.max_model_len = resolve_max_model_len(self.config, model.max_length)
+        self.tp = _tensor_parallel_plan(pipeline_config.device_config.tensor_parallel_size,
+                                        rank, self.config, self.quantization)
         if self.tp is not None:  # (a step's hidden state: at most a full chunk of tokens)
-            use_shared_memory(cfg.max_num_batched_tokens * self.config.hidden_size)
+            use_shared_memory(self.max_batch_input_tokens * self.config.hidden_size)
         self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
-                                                 cfg.model_dir, self.quantization, self.tp,
+                                                 model_path, self.quantization, self.tp,
                                                  self.device)
         shard = self.tp.config(self.config) if self.tp else self.config
-        per_block = bytes_per_block(shard, self.dtype, cfg.block_size)
+        per_block = bytes_per_block(shard, self.dtype, block_size)
         self.num_blocks = agree_on_min(self._kv_cache_bytes(shard) // per_block)
-        if self.num_blocks * cfg.block_size < self.max_model_len:
-            need = -(-self.max_model_len // cfg.block_size) * per_block
+        if self.num_blocks * block_size < self.max_model_len:
+            need = -(-self.max_model_len // block_size) * per_block
             raise MemoryError(
-                f"the KV cache holds {self.num_blocks * cfg.block_size} tokens, fewer than one "
+                f"the KV cache holds {self.num_blocks * block_size} tokens, fewer than one "
                 f"full-length sequence ({self.max_model_len}); give it at least {need} bytes "
                 f"(--kv-cache-memory) or lower --max-model-len"
             )
         # Only the rank that samples constrains: the others never see a grammar.
         self.samples = self.tp is None or self.tp.rank == 0
-        self.grammars = GrammarCompiler(cfg.tokenizer_dir or cfg.model_dir) if self.samples \
+        self.grammars = GrammarCompiler(model.tokenizer or model_path) if self.samples \
             else None
         graphs = self._uses_cuda_graphs()
         # (With graphs, one block more than the scheduler knows of: padded rows write there.)
         self.kv_cache = allocate_kv_cache(shard, self.dtype,
                                           self.num_blocks + (SINK_BLOCKS if graphs else 0),
-                                          cfg.block_size, self.device)
+                                          block_size, self.device)
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, cfg.block_size,
-                                       self.max_model_len, cfg.max_num_seqs, self.num_blocks)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size,
+                                       self.max_model_len, self.max_batch_size, self.num_blocks)
             self.graphs.capture()
         self.requests: dict[str, RequestSamplingState] = {}
         self.failing: set[str] = set()  # requests that failed alone (their state says why)
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
             "model %s (%s, %s, %s) loaded in %.1fs; KV cache %.2f GiB = %d blocks x %d = %d "
-            "tokens", cfg.model_dir, self.config.architecture,
+            "tokens", model_path, self.config.architecture,
             _weights_name(self.quantization, self.dtype), self.device,
             time.monotonic() - started,
-            kv_bytes / (1 << 30), self.num_blocks, cfg.block_size,
-            self.num_blocks * cfg.block_size,
+            kv_bytes / (1 << 30), self.num_blocks, block_size,
+            self.num_blocks * block_size,
         )
 
     def _uses_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: on one GPU, for the architectures whose forward
         can be captured, unless --enforce-eager."""
-        return (self.cfg.cuda_graphs and self.device.type == "cuda" and self.tp is None
+        return (self.cuda_graphs and self.device.type == "cuda" and self.tp is None
                 and self.config.architecture in GRAPH_SAFE_ARCHITECTURES)
 
     def _kv_cache_bytes(self, shard: ModelConfig) -> int:
@@ -120,38 +129,36 @@ class ModelRunner:
         ranks, each holds its heads' part of the cache the whole model would have
         (--kv-cache-memory is the whole cache's size), with the block count of the rank
         holding the most heads (rank 0) on every rank."""
-        cfg = self.cfg
-        if self.device.type == "cuda" and cfg.kv_cache_memory is None:
-            return gpu_kv_cache_budget(self.device, cfg.gpu_memory_utilization,
+        if self.device.type == "cuda" and self.kv_cache_memory is None:
+            return gpu_kv_cache_budget(self.device, self.device_memory_utilization,
                                        self._profile_forward)
         if self.tp is None:
             return self.model.estimate_kv_cache_size(
-                cfg.kv_cache_memory, self.dtype, cfg.block_size, self.max_model_len,
-                cfg.max_num_seqs)
-        blocks = estimate_kv_cache_size(self.config, self.dtype, cfg.block_size,
-                                        self.max_model_len, cfg.max_num_seqs,
-                                        cfg.kv_cache_memory)
+                self.kv_cache_memory, self.dtype, self.block_size, self.max_model_len,
+                self.max_batch_size)
+        blocks = estimate_kv_cache_size(self.config, self.dtype, self.block_size,
+                                        self.max_model_len, self.max_batch_size,
+                                        self.kv_cache_memory)
         largest = ShardPlan.for_rank(self.config, 0, self.tp.size).config(self.config)
-        return blocks * bytes_per_block(largest, self.dtype, cfg.block_size)
+        return blocks * bytes_per_block(largest, self.dtype, self.block_size)
 
     def _profile_forward(self) -> None:
         """The largest step's forward (a full --max-num-batched-tokens chunk with logits for
         --max-num-seqs rows), over a scratch cache, for its peak activation memory."""
-        cfg = self.cfg
-        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-tokens // cfg.block_size)
+        tokens = min(self.max_batch_input_tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
         shard = self.tp.config(self.config) if self.tp else self.config
-        scratch = allocate_kv_cache(shard, self.dtype, blocks, cfg.block_size, self.device)
+        scratch = allocate_kv_cache(shard, self.dtype, blocks, self.block_size, self.device)
         step = StepBatch(step_id=-1, request_ids=["profile"],
                          input_ids=np.zeros(tokens, np.int32),
                          query_lens=np.array([tokens], np.int32),
                          seq_lens=np.array([tokens], np.int32),
                          block_tables=np.arange(blocks, dtype=np.int32)[None, :],
                          sample=np.array([True]))
-        rows = torch.arange(tokens - min(tokens, cfg.max_num_seqs), tokens)
+        rows = torch.arange(tokens - min(tokens, self.max_batch_size), tokens)
         inputs = self.model.prepare_initial_token_inputs(
             step, torch.zeros(tokens, dtype=torch.long), rows, len(rows), scratch,
-            cfg.block_size).to(self.device)
+            self.block_size).to(self.device)
         with torch.inference_mode():
             self.model.execute(inputs)
         del scratch
@@ -457,17 +464,17 @@ def _quantization_on(device: torch.device, quantization: str | None) -> str | No
     return None
 
 
-def _tensor_parallel_plan(cfg: RunnerConfig, config: ModelConfig,
+def _tensor_parallel_plan(size: int, rank: int, config: ModelConfig,
                           quantization: str | None) -> ShardPlan | None:
     """This rank's shard of the model, or None when one worker holds it all."""
-    if cfg.tensor_parallel_size == 1:
+    if size == 1:
         return None
-    if world_size() != cfg.tensor_parallel_size:
+    if world_size() != size:
         raise RuntimeError("the tensor-parallel process group is not set up")
     if config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
         raise ValueError(f"--tensor-parallel-size: {config.architecture} is not split yet "
                          f"(text models of the Llama family and Gemma 3 are)")
-    return ShardPlan.for_rank(config, cfg.rank, cfg.tensor_parallel_size)
+    return ShardPlan.for_rank(config, rank, size)
 
 
 # Whose layers call all_reduce after their row-parallel projections (vision encoders do not).

@@ -8,26 +8,22 @@ preemption) and model runner, without the processes: for scripts, notebooks and 
 
 from __future__ import annotations
 
-from pipelines.config import BatchingConfig
+from pipelines.config import PipelineConfig
 from pipelines.context import TextContext
 from pipelines.response import TextResponse
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from worker.model_runner import ModelRunner
-from worker.runner_config import RunnerConfig
 
 
 class TextGenerationPipeline:
-    def __init__(self, config: RunnerConfig, enable_prefix_caching: bool = True,
-                 max_num_batched_tokens: int = BatchingConfig.max_num_batched_tokens) -> None:
-        self.runner = ModelRunner(config)
+    def __init__(self, pipeline_config: PipelineConfig) -> None:
+        self.runner = ModelRunner(pipeline_config)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                   enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=self.runner.max_model_len),
-            self.blocks)
+                                   pipeline_config.kv_cache_config.enable_prefix_caching)
+        # (A tree not resolved by `loom serve` gets the model's context length from the runner.)
+        self.scheduler = Scheduler(pipeline_config.replace(max_length=self.runner.max_model_len),
+                                   self.blocks)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -34,7 +33,6 @@ from serialization.messages import (
     WorkerFailed,
     WorkerReady,
 )
-from worker.runner_config import RunnerConfig
 
 logger = logging.getLogger("loom.worker")
 
@@ -45,9 +43,9 @@ IDLE_MS = 20  # without a step for this long, the worker counts as idle
 def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_level: str,
                placement: CpuPlacement | None = None, rank: int = 0) -> None:
     """Entry point of a worker process (spawned by `loom serve`): rank `rank` of
-    `cfg.device.tensor_parallel_size` workers holding one model (worker/tensor_parallel.py).
-    Every rank runs every step; rank 0 alone answers the scheduler."""
-    runner_config = RunnerConfig.from_pipeline(cfg)
+    `cfg.device_config.tensor_parallel_size` workers holding one model
+    (worker/tensor_parallel.py). Every rank runs every step; rank 0 alone answers the
+    scheduler."""
     die_with_parent()
     ignore_interrupts()
     setup_logging(log_level)
@@ -68,25 +66,26 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
     decode = msgpack_numpy_decoder(StepMessage, copy=False)
 
     speech = None
-    size = runner_config.tensor_parallel_size
+    size = cfg.device_config.tensor_parallel_size
+    task = cfg.model_config.task
     try:
         if size > 1:
             from worker.device import resolve_device
             from worker.tensor_parallel import init_process_group
 
-            device = resolve_device(runner_config.device)
+            device = resolve_device(cfg.devices)
             if device.type == "cuda":
                 device = torch.device("cuda", (device.index or 0) + rank)
             init_process_group(rank, size, endpoints.rendezvous_file, device)
             logger.info("worker rank %d of %d is pid %d", rank, size, os.getpid())
-        runner = _load_runner(dataclasses.replace(runner_config, rank=rank))
-        if runner_config.task is PipelineTask.TEXT_GENERATION and runner_config.speech \
+        runner = _load_runner(cfg, rank)
+        if task is PipelineTask.TEXT_GENERATION and cfg.speech_config.enable_speech \
                 and rank == 0:
             from worker.speech_runner import SpeechRunner
 
             if SpeechRunner.available():
                 with worker_threads():  # onnxruntime's thread pool
-                    speech = SpeechRunner(noise=runner_config.speech_noise)
+                    speech = SpeechRunner(noise=cfg.speech_config.speech_noise)
     except Exception as exc:  # reported to the user as one line by `loom serve`
         logger.debug("model load failed", exc_info=True)
         where = f" (worker rank {rank})" if size > 1 else ""
@@ -97,7 +96,7 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
 
     if rank == 0:
         logger.log(*startup_summary())  # (one line: which kernels run, or why PyTorch's does)
-    ready = _ready_message(runner, runner_config.task)
+    ready = _ready_message(runner, task)
     if speech is not None:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
     from worker.kv_cache import KVCachePrefault  # (torch: imported in the worker only)
@@ -160,14 +159,15 @@ def _deferred_start_up(runner, prefault):
         yield prefault.step
 
 
-def _load_runner(cfg):
-    if cfg.task is PipelineTask.EMBEDDINGS_GENERATION:
+def _load_runner(cfg: PipelineConfig, rank: int):
+    model = cfg.model_config
+    if model.task is PipelineTask.EMBEDDINGS_GENERATION:
         from worker.embedding_runner import EmbeddingRunner
 
-        return EmbeddingRunner(cfg.model_dir, cfg.dtype or "float32")  # (on the CPU)
+        return EmbeddingRunner(model.model_path, model.dtype or "float32")  # (on the CPU)
     from worker.model_runner import ModelRunner
 
-    return ModelRunner(cfg)
+    return ModelRunner(cfg, rank)
 
 
 def _ready_message(runner, task: PipelineTask) -> WorkerReady:
