@@ -161,10 +161,9 @@ def main() -> None:
     record: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
     record["copy_bytes_per_s"] = bandwidth = copy_bandwidth(device)
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + written)", flush=True)
-    runner = ModelRunner(PipelineConfig.for_model(args.model_dir, devices="cuda", dtype="bfloat16",
-                                      kv_cache_page_size=BLOCK, max_length=2048,
-                                      max_batch_size=max(args.batches),
-                                      kv_cache_memory=4 << 30))
+    runner = ModelRunner(PipelineConfig.for_model(
+        args.model_dir, devices="cuda", dtype="bfloat16", kv_cache_page_size=BLOCK,
+        max_length=2048, max_batch_size=max(args.batches), kv_cache_memory=4 << 30))
     record["weight_bytes"] = wb = weight_bytes(runner.model)
     record["weights_read_s"] = floor = wb / bandwidth
     print(f"weights {wb / 1e9:.2f} GB: read once in {floor * 1e3:.3f} ms", flush=True)

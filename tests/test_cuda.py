@@ -84,9 +84,9 @@ def test_graph_replays_give_the_eager_forwards_logits(cuda_model_dir):
     from tests.test_cuda_graphs import _step
     from worker.model_runner import ModelRunner
 
-    runner = ModelRunner(PipelineConfig.for_model(cuda_model_dir, devices="cuda", dtype="float32",
-                                      kv_cache_page_size=16, max_length=512, max_batch_size=16,
-                                      kv_cache_memory=64 << 20))
+    runner = ModelRunner(PipelineConfig.for_model(
+        cuda_model_dir, devices="cuda", dtype="float32", kv_cache_page_size=16, max_length=512,
+        max_batch_size=16, kv_cache_memory=64 << 20))
     assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16]
     cache = runner.kv_cache
     cache[:, :, : runner.num_blocks].normal_()

@@ -40,8 +40,8 @@ def test_only_steps_of_one_sampled_token_per_sequence_are_decode_only():
 
 
 def test_static_decode_buffers_give_the_ordinary_steps_logits(untied_tiny_model_dir):
-    runner = ModelRunner(PipelineConfig.for_model(untied_tiny_model_dir, kv_cache_page_size=BLOCK,
-                                      kv_cache_memory=8 << 20, max_length=256))
+    runner = ModelRunner(PipelineConfig.for_model(
+        untied_tiny_model_dir, kv_cache_page_size=BLOCK, kv_cache_memory=8 << 20, max_length=256))
     model, cache = runner.model, runner.kv_cache
     sink = runner.num_blocks - 1  # (never in a table below)
     graphs = DecodeGraphs(model, cache, BLOCK, runner.max_model_len, max_num_seqs=16,

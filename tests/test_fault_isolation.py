@@ -62,7 +62,7 @@ def test_a_failing_request_fails_alone(untied_tiny_model_dir, oracle, monkeypatc
         monkeypatch.setattr(*patch)
     prompts, expected = oracle
     pipeline = TextGenerationPipeline(PipelineConfig.for_model(untied_tiny_model_dir,
-                                                   kv_cache_memory=4 << 20))
+                                                               kv_cache_memory=4 << 20))
     honest = [TextContext(max_length=len(ids) + NEW_TOKENS, tokens=np.array(ids),
                           log_probabilities=2 if i == 0 else 0)
               for i, ids in enumerate(prompts)]

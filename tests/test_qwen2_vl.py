@@ -219,7 +219,7 @@ def tokenizer(vlm_dir):
 @pytest.fixture(scope="module")
 def runner(vlm_dir):
     return ModelRunner(PipelineConfig.for_model(vlm_dir, kv_cache_page_size=4, max_length=512,
-                                    kv_cache_memory=8 << 20))
+                                                kv_cache_memory=8 << 20))
 
 
 def test_context_carries_grids_and_positions(tokenizer):
