@@ -103,7 +103,7 @@ def test_config(gemma):
     # The window is honoured per layer: the context is not clamped to it.
     assert runner.max_model_len == 1024 == resolve_max_model_len(config, None)
     assert model_class(config) is Gemma3ForCausalLM
-    assert model_class(load_model_config(runner.cfg.model_dir)) is Gemma3ForCausalLM
+    assert model_class(load_model_config(hf.name_or_path)) is Gemma3ForCausalLM
 
 
 def test_config_of_older_checkpoints():
