@@ -56,6 +56,12 @@ def parse_true_false(text: str) -> bool:
 
 def setting_fields(struct_type: type) -> typing.Iterator[tuple[str, type, Any, Flag | None]]:
     """(name, type, default, flag) of every setting (leaf field) of a tree of Structs."""
+    for _, *setting in _owned_settings(struct_type):
+        yield tuple(setting)
+
+
+def _owned_settings(struct_type: type) -> typing.Iterator[tuple]:
+    """(the Struct holding it, name, type, default, flag) of every setting of the tree."""
     hints = typing.get_type_hints(struct_type, include_extras=True)
     for field in msgspec.structs.fields(struct_type):
         hint = hints[field.name]
@@ -64,9 +70,9 @@ def setting_fields(struct_type: type) -> typing.Iterator[tuple[str, type, Any, F
             base, *extras = typing.get_args(hint)
             flag = next((x for x in extras if isinstance(x, Flag)), None)
         if isinstance(base, type) and issubclass(base, msgspec.Struct):
-            yield from setting_fields(base)
+            yield from _owned_settings(base)
         else:
-            yield field.name, base, field.default, flag
+            yield struct_type, field.name, base, field.default, flag
 
 
 def flag_names(name: str, flag: Flag) -> tuple[str, ...]:
@@ -75,23 +81,34 @@ def flag_names(name: str, flag: Flag) -> tuple[str, ...]:
 
 def add_flags(parser: argparse.ArgumentParser, struct_type: type) -> None:
     """One argument per flagged setting of the tree, every spelling landing on the setting's
-    name. Nothing is filled in for a flag not given (the tree's defaults stand), so the
-    parsed namespace holds exactly the settings the user chose."""
-    for name, base, default, flag in setting_fields(struct_type):
+    name, listed under its group's name (MAX's `KVCacheConfig`, ...). Nothing is filled in for
+    a flag not given (the tree's defaults stand), so the parsed namespace holds exactly the
+    settings the user chose."""
+    groups = {}  # (each Struct of the tree: its section of --help)
+    for owner, name, base, default, flag in _owned_settings(struct_type):
         if flag is None:
             continue
-        shown = "" if default in (None, "", ()) else f" (default: {_shown(default)})"
-        kwargs = dict(dest=name, default=argparse.SUPPRESS, help=flag.help + shown)
-        if _value_type(base) is bool and flag.parse is None:
-            parser.add_argument(*flag_names(name, flag), action="store_const", const=True,
-                                **kwargs)
-            if flag.negations:
-                parser.add_argument(*flag.negations, action="store_const", const=False,
-                                    dest=name, default=argparse.SUPPRESS,
-                                    help=f"sets {flag_names(name, flag)[0]} off")
-            continue
-        parser.add_argument(*flag_names(name, flag), type=flag.parse or _value_type(base),
-                            choices=flag.choices, metavar=flag.metavar, **kwargs)
+        if owner not in groups:
+            groups[owner] = parser.add_argument_group(owner.__name__)
+        _add_flag(groups[owner], name, base, default, flag)
+
+
+def _add_flag(parser, name: str, base: Any, default: Any, flag: Flag) -> None:
+    shown = "" if default in (None, "", ()) else f" (default: {_shown(default)})"
+    kwargs = dict(dest=name, default=argparse.SUPPRESS, help=flag.help + shown)
+    if _value_type(base) is bool and flag.parse is None:
+        parser.add_argument(*flag_names(name, flag), action="store_const", const=True,
+                            **kwargs)
+        if flag.negations:
+            parser.add_argument(*flag.negations, action="store_const", const=False,
+                                dest=name, default=argparse.SUPPRESS,
+                                help=f"sets {flag_names(name, flag)[0]} off")
+        return
+    value_type = _value_type(base)
+    metavar = flag.metavar or ("SIZE" if flag.parse is parse_size
+                              else {int: "N", float: "X"}.get(value_type))
+    parser.add_argument(*flag_names(name, flag), type=flag.parse or value_type,
+                        choices=flag.choices, metavar=metavar, **kwargs)
 
 
 def _value_type(base: Any) -> type:
@@ -104,4 +121,4 @@ def _value_type(base: Any) -> type:
 def _shown(default: Any) -> str:
     if isinstance(default, bool):
         return "on" if default else "off"
-    return getattr(default, "value", default).__str__()
+    return str(getattr(default, "value", default))
