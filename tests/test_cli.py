@@ -52,6 +52,8 @@ def test_readme_flag_table_and_help_agree():
 
 
 def test_max_and_vllm_spellings_land_on_the_same_setting(tiny_model_dir):
+    import msgspec
+
     from api_server.cli import build_parser, serve_config_from_args
 
     def config(*flags):
@@ -73,6 +75,8 @@ def test_max_and_vllm_spellings_land_on_the_same_setting(tiny_model_dir):
     cfg = config("--enforce-eager", "--max-num-seqs", "3", "--no-speech")
     assert (cfg.device_config.cuda_graphs, cfg.max_batch_size,
             cfg.speech_config.enable_speech) == (False, 3, False)
+    # (What every process is handed: it travels as msgpack as well.)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=type(cfg)) == cfg
 
 
 def test_network_facing_host_needs_an_api_key(tiny_model_dir):
