@@ -49,3 +49,37 @@ def client_server(tiny_model_dir):
                        "--max-parallel-tool-calls", "3")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    """(model, tokenizer): transformers' float32 SmolLM2, the oracle of the tests that serve
+    that model. Loaded once; tests only read it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def shared_server():
+    """`shared_server(model_dir, *flags)`: one `loom serve` per model and flags for the whole
+    session, so modules that need the same server share its start (seconds each). Only for
+    tests whose assertions hold whatever traffic the server has seen: a test that counts
+    metrics from zero, kills a process or stops the server starts its own. Each must still
+    exit cleanly at the end."""
+    from tests.helpers import start_server
+
+    servers = {}
+
+    def get(model_dir, *flags):
+        key = (model_dir, flags)
+        if key not in servers:
+            servers[key] = start_server(model_dir, *flags)
+        return servers[key]
+
+    yield get
+    codes = {key: srv.stop() for key, srv in servers.items()}
+    assert all(code == 0 for code in codes.values()), codes

@@ -6,7 +6,6 @@ import threading
 import pytest
 
 from processes.cpu_placement import SERVICE_SLICE_NS, CpuPlacement, short_time_slice
-from tests.helpers import start_server
 
 
 @pytest.mark.parametrize("cpus,threads,worker,service", [
@@ -27,26 +26,23 @@ def test_one_core_is_not_placed(monkeypatch):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to place")
-def test_served_processes_keep_off_the_worker_main_thread(tiny_model_dir):
-    srv = start_server(tiny_model_dir)
-    try:
-        first = min(os.sched_getaffinity(0))
-        api = srv.proc.pid
-        children = [int(p) for p in open(f"/proc/{api}/task/{api}/children").read().split()]
-        affinities = {pid: os.sched_getaffinity(pid) for pid in [api] + children}
-        assert first not in affinities[api]
-        # The worker's main thread is bound to the first core, the scheduler is not on it.
-        assert any(a == {first} for a in affinities.values())
-        assert sum(first not in a for a in affinities.values()) >= 2  # API and scheduler
-        if slice_of(api, api) is not None and _slices_supported():
-            # The API and scheduler wake up on a short slice; the worker's math keeps the
-            # default one (a short slice there would hand the cores to the services sooner
-            # still, and cost the forward pass more preemptions).
-            main_slices = sorted(slice_of(pid, pid) for pid in [api] + children)
-            assert main_slices.count(SERVICE_SLICE_NS) == 2
-            assert main_slices[-1] > SERVICE_SLICE_NS
-    finally:
-        srv.stop()
+def test_served_processes_keep_off_the_worker_main_thread(shared_server, tiny_model_dir):
+    srv = shared_server(tiny_model_dir)
+    first = min(os.sched_getaffinity(0))
+    api = srv.proc.pid
+    children = [int(p) for p in open(f"/proc/{api}/task/{api}/children").read().split()]
+    affinities = {pid: os.sched_getaffinity(pid) for pid in [api] + children}
+    assert first not in affinities[api]
+    # The worker's main thread is bound to the first core, the scheduler is not on it.
+    assert any(a == {first} for a in affinities.values())
+    assert sum(first not in a for a in affinities.values()) >= 2  # API and scheduler
+    if slice_of(api, api) is not None and _slices_supported():
+        # The API and scheduler wake up on a short slice; the worker's math keeps the
+        # default one (a short slice there would hand the cores to the services sooner
+        # still, and cost the forward pass more preemptions).
+        main_slices = sorted(slice_of(pid, pid) for pid in [api] + children)
+        assert main_slices.count(SERVICE_SLICE_NS) == 2
+        assert main_slices[-1] > SERVICE_SLICE_NS
 
 
 def slice_of(pid: int, tid: int) -> int | None:

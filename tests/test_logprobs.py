@@ -3,7 +3,6 @@
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import start_server
 
@@ -11,18 +10,18 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_dir):
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    return model, tok
+def hf(smollm2_hf):
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module", params=["whole", "chunked"])
-def server(request, smollm2_dir):
+def server(request, shared_server, smollm2_dir):
+    if request.param == "whole":
+        yield shared_server(smollm2_dir)
+        return
     # "chunked": a 6-token budget splits every prompt across steps, and echo logprobs must
     # still come out complete and in order.
-    args = ["--max-num-batched-tokens", "6"] if request.param == "chunked" else []
-    srv = start_server(smollm2_dir, *args)
+    srv = start_server(smollm2_dir, "--max-num-batched-tokens", "6")
     yield srv
     srv.stop()
 

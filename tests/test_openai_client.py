@@ -7,10 +7,8 @@ from tests.helpers import pid_alive, start_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = start_server(tiny_model_dir, "--served-model-name", "tiny")
-    yield srv
-    srv.stop()
+def server(shared_server, tiny_model_dir):
+    return shared_server(tiny_model_dir, "--served-model-name", "tiny")
 
 
 @pytest.fixture

@@ -6,25 +6,20 @@ import asyncio
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import hf_greedy, start_server
+from tests.helpers import hf_greedy
 
 PROMPT = "Write a list of fruits: apple, banana,"
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_dir):
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    return model, tok
+def hf(smollm2_hf):
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir):
-    srv = start_server(smollm2_dir)
-    yield srv
-    srv.stop()
+def server(shared_server, smollm2_dir):
+    return shared_server(smollm2_dir)
 
 
 def complete(server, **body):

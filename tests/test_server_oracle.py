@@ -2,12 +2,11 @@
 (SmolLM2-135M-Instruct, float32): alone, concurrently, chunk-prefilled, and under preemption."""
 
 import asyncio
+import functools
 import re
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import hf_greedy, start_server
 
@@ -25,9 +24,12 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_dir):
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+def oracle(smollm2_hf):
+    return greedy_oracle(*smollm2_hf)
+
+
+@functools.cache  # computed once per session: test_tensor_parallel checks against it too
+def greedy_oracle(model, tok):
     expected = {}
     for p in PROMPTS:
         ids = hf_greedy(model, tok, tok(p)["input_ids"], MAX_TOKENS)
@@ -58,10 +60,8 @@ def check_all(url, oracle, concurrent):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir):
-    srv = start_server(smollm2_dir)
-    yield srv
-    assert srv.stop() == 0
+def server(shared_server, smollm2_dir):
+    return shared_server(smollm2_dir)
 
 
 def test_alone(server, oracle):

@@ -8,7 +8,6 @@ import openai
 import pytest
 
 from api_server.tool_calls import ToolCallParser
-from tests.helpers import start_server
 
 SCHEMAS = {
     "person": {
@@ -51,10 +50,9 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_dir):
-    srv = start_server(smollm2_dir)
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-    srv.stop()
+def client(shared_server, smollm2_dir):
+    srv = shared_server(smollm2_dir)
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
