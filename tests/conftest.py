@@ -39,16 +39,6 @@ def gguf_oracle():
     return load_gguf_oracle(find_gguf())
 
 
-@pytest.fixture(scope="session")
-def client_server(tiny_model_dir):
-    """One `loom serve` of the tiny model shared by the client-library tests
-    (tests/test_client_*.py): each drives it through a library's own public API."""
-    from tests.helpers import start_server
-
-    srv = start_server(tiny_model_dir, "--served-model-name", "tiny",
-                       "--max-parallel-tool-calls", "3")
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +73,18 @@ def shared_server():
     yield get
     codes = {key: srv.stop() for key, srv in servers.items()}
     assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="session")
+def tiny_server(shared_server, tiny_model_dir):
+    """The tiny model served as "tiny", for every test that needs no other flag (and a
+    limit of 3 parallel tool calls, which tests/test_client_openai.py checks)."""
+    return shared_server(tiny_model_dir, "--served-model-name", "tiny",
+                         "--max-parallel-tool-calls", "3")
+
+
+@pytest.fixture(scope="session")
+def client_server(tiny_server):
+    """The server the client-library tests (tests/test_client_*.py) drive, each through a
+    library's own public API."""
+    return tiny_server

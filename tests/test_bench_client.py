@@ -13,8 +13,8 @@ from bench.sse import RequestRecord, completion_body, stream_completion
 from tests.helpers import start_server
 
 
-def test_streams_like_httpx_and_records_errors(shared_server, tiny_model_dir):
-    srv = shared_server(tiny_model_dir)
+def test_streams_like_httpx_and_records_errors(tiny_server):
+    srv = tiny_server
     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
 
     async def run():

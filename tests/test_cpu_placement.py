@@ -26,8 +26,8 @@ def test_one_core_is_not_placed(monkeypatch):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to place")
-def test_served_processes_keep_off_the_worker_main_thread(shared_server, tiny_model_dir):
-    srv = shared_server(tiny_model_dir)
+def test_served_processes_keep_off_the_worker_main_thread(tiny_server):
+    srv = tiny_server
     first = min(os.sched_getaffinity(0))
     api = srv.proc.pid
     children = [int(p) for p in open(f"/proc/{api}/task/{api}/children").read().split()]

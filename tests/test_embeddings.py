@@ -107,7 +107,6 @@ def test_bad_inputs(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_generation_server_refuses_embeddings(shared_server, tiny_model_dir):
-    srv = shared_server(tiny_model_dir)
-    r = httpx.post(srv.url + "/v1/embeddings", json={"input": "x"})
+def test_generation_server_refuses_embeddings(tiny_server):
+    r = httpx.post(tiny_server.url + "/v1/embeddings", json={"input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"

@@ -10,7 +10,6 @@ or within TIE_NATS of its log probability (a near tie), and >= 90% must be exact
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api_server.cli import build_parser, serve_config_from_args
 from api_server.launcher import StartupError
@@ -24,7 +23,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "Once upon a ti
            "The three primary colors are", "Water boils at a temperature of"]
 
 
-def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir):
+def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir, smollm2_hf):
     runner = ModelRunner(PipelineConfig.for_model(
         smollm2_dir, quantization_encoding="int8", kv_cache_page_size=16,
         kv_cache_memory=64 << 20, max_length=512))
@@ -39,8 +38,7 @@ def test_int8_checkpoint_agrees_with_the_float32_oracle(smollm2_dir):
     head = runner.model.lm_head
     assert head.weight.data_ptr() == runner.model.embed_tokens.table.weight.data_ptr()
 
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf, tok = smollm2_hf
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     outputs, _ = run_engine(runner, prompts, new_tokens=16)
     exact = total = 0

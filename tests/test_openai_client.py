@@ -7,8 +7,8 @@ from tests.helpers import pid_alive, start_server
 
 
 @pytest.fixture(scope="module")
-def server(shared_server, tiny_model_dir):
-    return shared_server(tiny_model_dir, "--served-model-name", "tiny")
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ stays what transformers produces for the full prompt."""
 import re
 
 import httpx
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import hf_greedy, start_server
 
@@ -15,9 +13,8 @@ def counter(url, name):
     return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
 
 
-def test_shared_prefix_is_reused_and_output_unchanged(smollm2_dir):
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+def test_shared_prefix_is_reused_and_output_unchanged(smollm2_dir, smollm2_hf):
+    model, tok = smollm2_hf
     sentences = [f"Fact {i}: the number {i * 7} is {'even' if i % 2 == 0 else 'odd'}. "
                  for i in range(200)]
     prefix_ids = tok("".join(sentences))["input_ids"][:1024]

@@ -2,13 +2,13 @@
 (SmolLM2-135M-Instruct, float32): alone, concurrently, chunk-prefilled, and under preemption."""
 
 import asyncio
-import functools
 import re
 
 import httpx
 import pytest
 
 from tests.helpers import hf_greedy, start_server
+from tests.oracle_cache import cached_oracle
 
 PROMPTS = [
     "The capital of France is",
@@ -24,18 +24,19 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_hf):
-    return greedy_oracle(*smollm2_hf)
+def oracle(request, smollm2_dir):
+    """{prompt: (text, completion tokens, finish reason)} of transformers' greedy generate."""
+    def compute():
+        model, tok = request.getfixturevalue("smollm2_hf")
+        expected = {}
+        for p in PROMPTS:
+            ids = hf_greedy(model, tok, tok(p)["input_ids"], MAX_TOKENS)
+            finish = "stop" if ids[-1] == tok.eos_token_id else "length"
+            expected[p] = (tok.decode(ids, skip_special_tokens=True), len(ids), finish)
+        return expected
 
-
-@functools.cache  # computed once per session: test_tensor_parallel checks against it too
-def greedy_oracle(model, tok):
-    expected = {}
-    for p in PROMPTS:
-        ids = hf_greedy(model, tok, tok(p)["input_ids"], MAX_TOKENS)
-        finish = "stop" if ids[-1] == tok.eos_token_id else "length"
-        expected[p] = (tok.decode(ids, skip_special_tokens=True), len(ids), finish)
-    return expected
+    saved = cached_oracle("smollm2-greedy", smollm2_dir, [PROMPTS, MAX_TOKENS], compute)
+    return {p: tuple(v) for p, v in saved.items()}
 
 
 async def complete(client, url, prompt):

@@ -339,9 +339,8 @@ def test_file_urls_outside_the_allowed_directory_are_refused(client, media_dir, 
     assert exc.value.body["param"] == "messages[0].content[1]"
 
 
-def test_a_text_only_model_refuses_image_parts(shared_server, tiny_model_dir):
-    srv = shared_server(tiny_model_dir, "--served-model-name", "tiny")
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+def test_a_text_only_model_refuses_image_parts(tiny_server):
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="tiny", max_tokens=1, messages=[
             {"role": "user", "content": [{"type": "text", "text": "x"}, image_part("wide")]}])

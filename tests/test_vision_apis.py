@@ -245,9 +245,8 @@ def test_messages_too_many_images(anthropic_client):
     assert message.startswith("messages[0].content[2]: ") and "limit-mm-per-prompt" in message
 
 
-def test_a_text_only_model_refuses_images_on_both_apis(shared_server, tiny_model_dir):
-    srv = shared_server(tiny_model_dir, "--served-model-name", "tiny")
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+def test_a_text_only_model_refuses_images_on_both_apis(tiny_server):
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(model="tiny", max_output_tokens=1, input=[
             {"role": "user", "content": [
@@ -255,7 +254,7 @@ def test_a_text_only_model_refuses_images_on_both_apis(shared_server, tiny_model
                 {"type": "input_image", "image_url": data_url(IMAGES["wide"])}]}])
     assert exc.value.body["param"] == "input[0].content[1]"
     assert "text only" in exc.value.body["message"]
-    claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    claude = anthropic.Anthropic(base_url=tiny_server.url, api_key="unused", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as exc:
         claude.messages.create(model="tiny", max_tokens=1, messages=[
             {"role": "user", "content": [base64_block("wide")]}])
