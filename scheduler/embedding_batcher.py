@@ -56,7 +56,7 @@ class EmbeddingBatcher:
         self._step_id += 1
         return step, step.request_ids
 
-    def finish(self, request_ids: list[str], result: EmbedResult) -> ResponseBatch:
+    def after_step(self, request_ids: list[str], result: EmbedResult) -> ResponseBatch:
         if result.error is not None:
             empty = np.zeros(0, np.float32)
             outputs = [EmbeddingOutput(rid, empty, result.error) for rid in request_ids]

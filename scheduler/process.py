@@ -1,26 +1,23 @@
-"""The scheduler process: receives contexts, batches them into steps for the worker, and sends
-each step's new tokens back to the API process.
+"""The scheduler process: receives contexts, sends the worker the steps the arbiter
+(arbiter.py) picks, and sends each step's outputs back to the API process. The loop only moves
+frames between its sockets and the arbiter.
 
 The loop never busy-waits: when there is no work it blocks in `poll` on its sockets, and while a
 step runs on the worker it blocks until the result (or a new request, or a cancellation) arrives.
-
-Text steps overlap: while the worker runs step N, step N+1 is already built and queued on the
-worker's socket (see scheduler.py), so the worker goes from one forward pass to the next
-without waiting for this process; each result then only has to be applied and streamed.
+Text steps overlap: the next is queued behind the running one (arbiter.py), so each result
+only has to be applied and streamed while the worker runs on.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-from collections import deque
 
 import zmq
 
 from pipelines.config import PipelineConfig
 from pipelines.response import TextGenerationOutput
-from pipelines.status import GenerationStatus, PipelineTask
+from pipelines.status import GenerationStatus
 from pipelines.vision_context import IMAGES_NOT_HELD, TextAndVisionContext
 from processes.cpu_placement import CpuPlacement
 from processes.lifecycle import (
@@ -36,15 +33,10 @@ from processes.sockets import (
     make_socket,
     malformed_frame_counts,
 )
+from scheduler.arbiter import Arbiter
 from scheduler.block_manager import BlockManager
-from scheduler.embedding_batcher import EmbeddingBatcher
-from scheduler.fair_share import FairShare
 from scheduler.kv_events import AllBlocksCleared, KVEventPublisher
-from scheduler.scheduler import Scheduler
 from scheduler.shared_images import SharedImages
-from scheduler.speech_queue import SpeechQueue
-from scheduler.step_source import SentStep, StepSource
-from scheduler.text_source import TextSource
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import (
     CancelRequest,
@@ -57,8 +49,6 @@ from serialization.messages import (
     WorkerFailed,
     WorkerReady,
 )
-
-logger = logging.getLogger("loom.scheduler")
 
 
 class SchedulerLoop:
@@ -85,15 +75,8 @@ class SchedulerLoop:
         self.poller = zmq.Poller()
         for sock in (self.requests, self.cancel, self.results):
             self.poller.register(sock, zmq.POLLIN)
-        self.scheduler: Scheduler | None = None
-        self.text: TextSource | None = None
         self.kv_publisher: KVEventPublisher | None = None
-        self.speech = SpeechQueue()
-        self.sources: list[StepSource] = []  # set by start(): what the worker serves
-        self.fair_share = FairShare()  # text and speech waiting together: half the worker each
-        # Steps sent to the worker, oldest first: at most two text steps (one running, one
-        # queued behind it), or one embeddings or speech step.
-        self.inflight: deque[SentStep] = deque()
+        self.arbiter: Arbiter | None = None  # set by start(): the sources of the worker's task
         self._last_stats = None
         self.shared_images = SharedImages()
 
@@ -132,13 +115,7 @@ class SchedulerLoop:
         if self.kv_publisher is not None:
             # A subscriber may still hold blocks of this endpoint's previous process.
             self.kv_publisher.publish([AllBlocksCleared()])
-        self.scheduler = Scheduler(self.pipeline_config, blocks)
-        self.text = TextSource(self.scheduler)
-        if ready.task is PipelineTask.EMBEDDINGS_GENERATION:
-            self.sources = [EmbeddingBatcher(self.pipeline_config.max_embedding_batch_tokens,
-                                             self.pipeline_config.max_batch_size)]
-        else:
-            self.sources = [self.text] + ([self.speech] if ready.voices else [])
+        self.arbiter = Arbiter.for_worker(self.pipeline_config, ready, blocks)
         self.responses.send(self.encode(SchedulerReady(
             num_blocks=ready.num_blocks, block_size=ready.block_size,
             max_model_len=ready.max_model_len, task=ready.task, voices=ready.voices,
@@ -148,13 +125,13 @@ class SchedulerLoop:
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         while True:
-            if not self.inflight:
+            if not self.arbiter.busy:
                 self._drain_inputs()
-                if self._start_next_step():
+                if self._send_steps():
                     continue
                 # Idle: report the final state once, then sleep in poll until a request or
                 # cancellation arrives.
-                self.text.idle()
+                self.arbiter.idle()
                 self._send(ResponseBatch(outputs=[]))
                 self.poller.poll(1000)
                 if os.getppid() == 1:
@@ -177,12 +154,8 @@ class SchedulerLoop:
                 self.responses.send(self.encode(ResponseBatch(outputs=[TextGenerationOutput(
                     ctx.request_id, [], GenerationStatus.ERROR, error=IMAGES_NOT_HELD)])))
                 continue
-            source = next((s for s in self.sources if isinstance(ctx, s.context_type)), None)
-            if source is not None:
-                source.add(ctx)
-            elif ctx is not None:
-                logger.warning("dropped a %s: the worker serves another task",
-                               type(ctx).__name__)
+            if ctx is not None:
+                self.arbiter.add(ctx)
         while True:
             try:
                 frame = self.cancel.recv(zmq.NOBLOCK)
@@ -190,9 +163,7 @@ class SchedulerLoop:
                 break
             msg = decode_or_drop(self.decode_cancel, frame, "cancel")
             if msg is not None:
-                ids = set(msg.request_ids)
-                for source in self.sources:
-                    source.abort(ids)
+                self.arbiter.abort(set(msg.request_ids))
 
     def _drain_results(self) -> None:
         while True:
@@ -205,66 +176,34 @@ class SchedulerLoop:
                 self._apply_result(msg)
 
     def _apply_result(self, result) -> None:
-        sent = self.inflight[0] if self.inflight else None
-        if (sent is None or not isinstance(result, sent.source.result_type)
-                or result.step_id != sent.step_id):
-            logger.warning("dropped a %s for unexpected step %s", type(result).__name__,
-                           getattr(result, "step_id", None))
+        response = self.arbiter.after_step(result)
+        if response is None:
             return
-        self.inflight.popleft()
-        self.fair_share.record(sent.source.kind, result.finished_at - result.started_at)
-        response = sent.source.finish(sent.state, result)
         self._drain_inputs()
-        if self.inflight:
+        if self.arbiter.busy:
             # The next text step was queued behind this one: the worker is already running it.
-            self.text.queued_behind(self.inflight[0].state, result.finished_at)
             self._send(response)
-            self._schedule_ahead()
+            self._send_steps()
             return
         # Nothing queued: the worker waits for its next step, the API process for these
         # outputs. The step goes first, so the API's work overlaps the worker's.
-        self._start_next_step()
+        self._send_steps()
         self._send(response)
 
-    def _turn_order(self) -> list[StepSource]:
-        """Speech or text next? Alone, either runs; together they split the worker's time
-        (and text that cannot run yet lets speech go)."""
-        if self.text not in self.sources:
-            return self.sources
-        if self.fair_share.speech_next(self.text.has_work, self.speech.has_work):
-            return [self.speech]
-        return self.sources
-
-    def _start_next_step(self) -> bool:
-        for source in self._turn_order():
-            planned = source.next_step()
-            if planned is not None:
-                self._send_step(source, *planned)
-                self._schedule_ahead()
-                return True
-        return False
-
-    def _schedule_ahead(self) -> None:
-        """Queue the next text step behind the running one, unless speech is waiting (it
-        takes turns with text, decided when the worker is free) or nothing can run yet."""
-        if len(self.inflight) != 1 or self.inflight[0].source is not self.text:
-            return
-        if self.speech.has_work:
-            return
-        planned = self.text.next_step(ahead=True)
-        if planned is not None:
-            self._send_step(self.text, *planned)
-
-    def _send_step(self, source: StepSource, message, state) -> None:
-        """Every step message leaves here: encoded once, sent to each worker rank."""
-        frame = self.encode(message)
-        for sock in self.steps:
-            sock.send(frame, copy=False)
-        self.inflight.append(SentStep(source, message.step_id, state))
+    def _send_steps(self) -> bool:
+        """Every step message leaves here, each as soon as the arbiter has it (the worker
+        starts on one while the next is built): encoded once, sent to each worker rank."""
+        sent = False
+        while (message := self.arbiter.next_step()) is not None:
+            frame = self.encode(message)
+            for sock in self.steps:
+                sock.send(frame, copy=False)
+            sent = True
+        return sent
 
     def _send(self, response: ResponseBatch) -> None:
         """Outputs to the API process, with the scheduler's stats when they changed."""
-        stats = self.text.take_stats()
+        stats = self.arbiter.take_stats()
         stats.malformed_frames_total = malformed_frame_counts()
         if response.outputs or response.embeddings or response.audio \
                 or stats != self._last_stats:
@@ -272,8 +211,10 @@ class SchedulerLoop:
             self.responses.send(self.encode(response))
             self._last_stats = stats
         # The step's changes to the prefix cache, in one message (as vLLM batches them).
-        if self.kv_publisher is not None and self.scheduler.blocks.kv_events:
-            self.kv_publisher.publish(self.scheduler.blocks.take_kv_events())
+        if self.kv_publisher is not None:
+            events = self.arbiter.take_kv_events()
+            if events:
+                self.kv_publisher.publish(events)
 
     def close(self, linger_ms: int = 0) -> None:
         frame = self.encode(Shutdown())

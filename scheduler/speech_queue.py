@@ -67,7 +67,7 @@ class SpeechQueue:
         self._step_id += 1
         return step, (ctx, ctx.decoded_index)
 
-    def finish(self, sent: tuple[TTSContext, int], result: AudioResult) -> ResponseBatch:
+    def after_step(self, sent: tuple[TTSContext, int], result: AudioResult) -> ResponseBatch:
         ctx, index = sent
         ctx.decoded_index += 1
         failed = result.error is not None

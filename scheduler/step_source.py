@@ -1,6 +1,5 @@
-"""What the scheduler loop asks of each kind of work the worker runs: text generation
-(text_source.py), embeddings (embedding_batcher.py) and speech (speech_queue.py). The loop
-(process.py) only moves frames between its sockets and these."""
+"""What the arbiter (arbiter.py) asks of each kind of work the worker runs: text generation
+(text_source.py), embeddings (embedding_batcher.py) and speech (speech_queue.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,9 @@ class StepSource(Protocol):
         """(the step message for the workers, what the source needs back with its result),
         or None when nothing can run now."""
 
-    def finish(self, sent: Any, result: Any) -> ResponseBatch:
-        """A step's result, turned into what goes back to the API process."""
+    def after_step(self, sent: Any, result: Any) -> ResponseBatch:
+        """A step's result, applied by the source that made it and turned into what goes
+        back to the API process."""
 
 
 @dataclass

@@ -4,6 +4,7 @@ timings of its steps that go to the API process' metrics with the scheduler's st
 from __future__ import annotations
 
 from pipelines.context import TextContext
+from scheduler.kv_events import KVCacheEvent
 from scheduler.scheduler import ScheduledStep, Scheduler
 from serialization.messages import ResponseBatch, SchedulerStats, StepBatch, StepResult
 
@@ -16,6 +17,7 @@ class TextSource:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.last_finished_at: float | None = None  # worker clock, last step, while busy
+        self._queued: ScheduledStep | None = None  # built ahead, behind the running step
         self._iteration_tokens: list[int] = []
         self._step_overheads: list[float] = []
         self._prefill_forward_times: list[float] = []
@@ -36,19 +38,21 @@ class TextSource:
         step = self.scheduler.schedule(ahead=ahead)
         if step is None:
             return None
-        if not ahead:  # the worker waited for it since its last step, if it ran one
+        if ahead:
+            self._queued = step
+        else:  # the worker waited for it since its last step, if it ran one
             step.follows_finished_at = self.last_finished_at
         return step.batch, step
-
-    def queued_behind(self, step: ScheduledStep, finished_at: float) -> None:
-        """`step` was queued behind the one that finished at `finished_at`: the worker went
-        straight on to it."""
-        step.follows_finished_at = finished_at
 
     def idle(self) -> None:
         self.last_finished_at = None
 
-    def finish(self, step: ScheduledStep, result: StepResult) -> ResponseBatch:
+    def after_step(self, step: ScheduledStep, result: StepResult) -> ResponseBatch:
+        """A step's result: its tokens applied, its timings kept for the metrics."""
+        if self._queued is not None and self._queued is not step:
+            # Queued behind this step: the worker went straight on to it.
+            self._queued.follows_finished_at = result.finished_at
+        self._queued = None
         self.last_finished_at = result.finished_at
         forward = result.finished_at - result.started_at
         self._iteration_tokens.append(int(step.batch.query_lens.sum()))
@@ -71,3 +75,9 @@ class TextSource:
         stats.prefill_forward_times, self._prefill_forward_times = self._prefill_forward_times, []
         stats.decode_forward_times, self._decode_forward_times = self._decode_forward_times, []
         return stats
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call (empty unless recorded)."""
+        if not self.scheduler.blocks.kv_events:
+            return []
+        return self.scheduler.blocks.take_kv_events()

@@ -156,3 +156,31 @@ def test_fair_share_splits_the_worker_between_text_and_speech():
     assert turns.count(False) == 3 * turns.count(True)  # equal time, not equal turns
     share.speech_next(False, True)  # text done: the account starts again
     assert share.busy == {"text": 0.0, "speech": 0.0}
+
+
+def test_arbiter_queues_a_text_step_ahead_unless_speech_waits():
+    """Overlap scheduling: behind a running text step the next one is already queued, and
+    the worker's idle time between them is measured from its own clock; speech waiting
+    stops it (turns are decided when the worker is free)."""
+    from pipelines.speech_context import TTSContext
+    from scheduler.arbiter import Arbiter
+    from scheduler.speech_queue import SpeechQueue
+    from scheduler.text_source import TextSource
+
+    text, speech = TextSource(make_scheduler()), SpeechQueue()
+    arbiter = Arbiter(text, [text, speech], speech)
+    arbiter.add(ctx(3, 20, rid="a"))
+    first = arbiter.next_step()
+    ahead = arbiter.next_step()
+    assert ahead is not None and ahead.step_id == first.step_id + 1
+    assert arbiter.next_step() is None  # one running, one queued
+    for step, started, finished in ((first, 10.0, 10.5), (ahead, 10.75, 11.0)):
+        sampled = np.where(step.sample, 7, -1).astype(np.int32)
+        arbiter.after_step(StepResult(step_id=step.step_id, sampled_token_ids=sampled,
+                                      started_at=started, finished_at=finished))
+        if step is first:
+            arbiter.add(TTSContext(request_id="s", segments=[np.arange(3)]))
+            assert arbiter.next_step() is None  # speech waits: nothing queued ahead
+    assert arbiter.take_stats().step_overheads == [0.25]  # started 10.75, after 10.5
+    assert not arbiter.busy
+    assert type(arbiter.next_step()).__name__ == "AudioStep"  # speech's turn

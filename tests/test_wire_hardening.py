@@ -269,11 +269,11 @@ def test_scheduler_drops_counts_and_reports_bad_frames_then_serves(scheduler_loo
     cancel.disable_monitor()
     requests.send(encode(TextContext(request_id="good", max_length=20,
                                      tokens=np.arange(1, 6), eos_token_ids={2})))
-    drain_until(loop, lambda: len(loop.scheduler.waiting) == 1)
-    assert [c.request_id for c in loop.scheduler.waiting] == ["good"]
+    drain_until(loop, lambda: len(loop.arbiter.text.scheduler.waiting) == 1)
+    assert [c.request_id for c in loop.arbiter.text.scheduler.waiting] == ["good"]
     cancel.send(encode(CancelRequest(request_ids=["good"])))
-    drain_until(loop, lambda: not loop.scheduler.waiting)
-    assert not loop.scheduler.waiting  # the valid cancellation after it was applied
+    drain_until(loop, lambda: not loop.arbiter.text.scheduler.waiting)
+    assert not loop.arbiter.text.scheduler.waiting  # the valid cancellation after it was applied
 
     loop._send(ResponseBatch(outputs=[]))
     stats = None

@@ -1,0 +1,133 @@
+"""Which step the worker runs next: the arbiter owns the step sources of the worker's task
+(text and speech, or embeddings) and the steps sent to the worker, so the loop (process.py)
+only moves frames.
+
+Text steps overlap: while the worker runs text step N, step N+1 is already built and queued
+behind it (scheduler.py says how), so the worker goes from one forward pass to the next
+without waiting for this process. Speech takes turns with text (fair_share.py), decided when
+the worker is free, so nothing is queued ahead while speech waits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from pipelines.config import PipelineConfig
+from pipelines.status import PipelineTask
+from scheduler.block_manager import BlockManager
+from scheduler.embedding_batcher import EmbeddingBatcher
+from scheduler.fair_share import FairShare
+from scheduler.scheduler import Scheduler
+from scheduler.speech_queue import SpeechQueue
+from scheduler.step_source import SentStep, StepSource
+from scheduler.text_source import TextSource
+from serialization.messages import ResponseBatch, SchedulerStats, WorkerReady
+
+logger = logging.getLogger("loom.scheduler")
+
+
+class Arbiter:
+    def __init__(self, text: TextSource, sources: list[StepSource],
+                 speech: SpeechQueue | None = None) -> None:
+        # The text source reports the scheduler's stats even where it serves nothing
+        # (an embeddings worker's), so it exists for every task.
+        self.text = text
+        self.speech = speech
+        self.sources = sources  # in the order they go first when nothing else decides
+        self.fair_share = FairShare()  # text and speech waiting together: half the worker each
+        # Steps sent to the worker, oldest first: at most two text steps (one running, one
+        # queued behind it), or one embeddings or speech step.
+        self.inflight: deque[SentStep] = deque()
+
+    @classmethod
+    def for_worker(cls, pipeline_config: PipelineConfig, ready: WorkerReady,
+                   blocks: BlockManager) -> Arbiter:
+        """The sources of the task the worker serves (speech where it has voices)."""
+        text = TextSource(Scheduler(pipeline_config, blocks))
+        if ready.task is PipelineTask.EMBEDDINGS_GENERATION:
+            embeddings = EmbeddingBatcher(pipeline_config.max_embedding_batch_tokens,
+                                          pipeline_config.max_batch_size)
+            return cls(text, [embeddings])
+        if ready.voices:
+            speech = SpeechQueue()
+            return cls(text, [text, speech], speech)
+        return cls(text, [text])
+
+    @property
+    def busy(self) -> bool:
+        """The worker has a step to run (or runs one)."""
+        return bool(self.inflight)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add(self, ctx: Any) -> None:
+        source = next((s for s in self.sources if isinstance(ctx, s.context_type)), None)
+        if source is not None:
+            source.add(ctx)
+        else:
+            logger.warning("dropped a %s: the worker serves another task", type(ctx).__name__)
+
+    def abort(self, request_ids: set[str]) -> None:
+        for source in self.sources:
+            source.abort(request_ids)
+
+    # ---- steps ------------------------------------------------------------------------------
+    def next_step(self) -> Any | None:
+        """The next step message for the workers, or None when none should be sent now. Call
+        it again after sending one: a text step may then be queued behind it."""
+        if not self.inflight:
+            for source in self._turn_order():
+                planned = source.next_step()
+                if planned is not None:
+                    return self._sent(source, *planned)
+            return None
+        if self._may_queue_text_ahead():
+            planned = self.text.next_step(ahead=True)
+            if planned is not None:
+                return self._sent(self.text, *planned)
+        return None
+
+    def _turn_order(self) -> list[StepSource]:
+        """Speech or text next? Alone, either runs; together they split the worker's time
+        (and text that cannot run yet lets speech go)."""
+        if self.speech is None:
+            return self.sources
+        if self.fair_share.speech_next(self.text.has_work, self.speech.has_work):
+            return [self.speech]
+        return self.sources
+
+    def _may_queue_text_ahead(self) -> bool:
+        """Behind one running text step, unless speech waits (it takes turns with text,
+        decided when the worker is free)."""
+        return (len(self.inflight) == 1 and self.inflight[0].source is self.text
+                and not (self.speech is not None and self.speech.has_work))
+
+    def _sent(self, source: StepSource, message: Any, state: Any) -> Any:
+        self.inflight.append(SentStep(source, message.step_id, state))
+        return message
+
+    def after_step(self, result: Any) -> ResponseBatch | None:
+        """The oldest step's result, handled by the source that made it: the outputs for the
+        API process, or None for a result of no step in flight (dropped)."""
+        sent = self.inflight[0] if self.inflight else None
+        if (sent is None or not isinstance(result, sent.source.result_type)
+                or result.step_id != sent.step_id):
+            logger.warning("dropped a %s for unexpected step %s", type(result).__name__,
+                           getattr(result, "step_id", None))
+            return None
+        self.inflight.popleft()
+        self.fair_share.record(sent.source.kind, result.finished_at - result.started_at)
+        return sent.source.after_step(sent.state, result)
+
+    def idle(self) -> None:
+        """The worker has nothing to run: its wait for the next step is not step overhead."""
+        self.text.idle()
+
+    # ---- what goes with the outputs ---------------------------------------------------------
+    def take_stats(self) -> SchedulerStats:
+        return self.text.take_stats()
+
+    def take_kv_events(self) -> list:
+        """The prefix cache's changes since the last call (empty unless recorded)."""
+        return self.text.take_kv_events()
