@@ -1,6 +1,8 @@
 """Loom's own Llama-family forward pass against Hugging Face transformers on the same weights,
 in process: every supported architecture, mixed batches, chunked prefill, prefix-cache hits."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from pipelines.config import PipelineConfig
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler
 from tests.helpers import hf_greedy, make_tiny_checkpoint
+from tests.oracle_cache import cached_oracle
 from worker.model_runner import ModelRunner
 
 PROMPTS = [
@@ -164,14 +167,14 @@ def _bf16_runner(path, block_size):
 
 
 def _agree_but_for_near_ties(hf, prompts, ours, expected, margin=0.1):
-    """Greedy outputs equal, or first apart where the oracle's top two logits are within
+    """`hf()` the oracle model. Greedy outputs equal, or first apart where the oracle's top two logits are within
     `margin` (the bf16 cache's rounding may flip a near-tie; anything else is a bug)."""
     for prompt, got, want in zip(prompts, ours, expected):
         if got == want:
             continue
         k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + want[:k]])).logits[0, -1]
+            logits = hf()(torch.tensor([prompt + want[:k]])).logits[0, -1]
         top2 = logits.topk(2).values
         assert top2[0] - top2[1] < margin, (k, got, want, top2)
         assert logits[got[k]] > top2[0] - margin
@@ -180,10 +183,12 @@ def _agree_but_for_near_ties(hf, prompts, ours, expected, margin=0.1):
 def test_bfloat16_greedy_matches_float32_on_bf16_weights(smollm2_dir):
     runner = _bf16_runner(smollm2_dir, 16)
     assert runner.model.fused_decode is not None
-    hf, tok = _bf16_oracle(smollm2_dir), AutoTokenizer.from_pretrained(smollm2_dir)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     shared = "You are a helpful assistant. Answer briefly and precisely. " * 2
     ids = [tok.encode(shared + p) for p in PROMPTS]
-    expected = [hf_greedy(hf, tok, p, NEW_TOKENS) for p in ids]
+    hf = functools.cache(lambda: _bf16_oracle(smollm2_dir))  # loaded only where needed
+    expected = cached_oracle("smollm2-bf16-greedy", smollm2_dir, [ids, NEW_TOKENS],
+                             lambda: [hf_greedy(hf(), tok, p, NEW_TOKENS) for p in ids])
     ours, _ = run_engine(runner, ids, block_size=16)
     _agree_but_for_near_ties(hf, ids, ours, expected)
     assert sum(o == e for o, e in zip(ours, expected)) >= len(ids) - 1

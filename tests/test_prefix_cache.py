@@ -4,8 +4,10 @@ stays what transformers produces for the full prompt."""
 import re
 
 import httpx
+from transformers import AutoTokenizer
 
 from tests.helpers import hf_greedy, start_server
+from tests.oracle_cache import cached_oracle
 
 
 def counter(url, name):
@@ -13,21 +15,26 @@ def counter(url, name):
     return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
 
 
-def test_shared_prefix_is_reused_and_output_unchanged(smollm2_dir, smollm2_hf):
-    model, tok = smollm2_hf
+def test_shared_prefix_is_reused_and_output_unchanged(request, smollm2_dir):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     sentences = [f"Fact {i}: the number {i * 7} is {'even' if i % 2 == 0 else 'odd'}. "
                  for i in range(200)]
     prefix_ids = tok("".join(sentences))["input_ids"][:1024]
     suffixes = [tok(" Question: what is fact 3 about? Answer:", add_special_tokens=False)["input_ids"],
                 tok(" Summarise the facts in one line:", add_special_tokens=False)["input_ids"]]
+    prompts = [prefix_ids + suffix for suffix in suffixes]
+
+    def oracle():
+        model, _ = request.getfixturevalue("smollm2_hf")
+        return [hf_greedy(model, tok, ids, 12) for ids in prompts]
+
+    wants = cached_oracle("smollm2-prefix-greedy", smollm2_dir, [prompts, 12], oracle)
     srv = start_server(smollm2_dir, "--max-model-len", "2048")
     try:
         hits = []
-        for suffix in suffixes:
-            ids = prefix_ids + suffix
+        for ids, want in zip(prompts, wants):
             r = httpx.post(srv.url + "/v1/completions", json={
                 "prompt": ids, "max_tokens": 12, "temperature": 0}, timeout=120).json()
-            want = hf_greedy(model, tok, ids, 12)
             assert r["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
             hits.append(counter(srv.url, "loom:prefix_cache_hits_total"))
         # The second request found (at least) the 64 full blocks of the shared prefix.
