@@ -28,7 +28,7 @@ from api_server.anthropic_protocol import (
     sampling_of,
     thinking_budget,
 )
-from api_server.chat_pipeline import ChatDelta, ChatJob, ChatRun, prepare_chat, start_chat
+from api_server.chat_turn import ChatDelta, ChatJob, ChatRun, prepare_chat, start_chat
 from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
 from api_server.off_loop import is_large, off_loop_if, parse_body

@@ -10,8 +10,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api_server.chat_pipeline import ChatDelta, ChatJob, start_chat
 from api_server.chat_template import template_options
+from api_server.chat_turn import ChatDelta, ChatJob, start_chat
 from api_server.generation import ChoiceDelta, merge_choices
 from api_server.logprobs_format import CompletionLogprobs, chat_logprob_entries, token_id_text
 from api_server.off_loop import is_large, off_loop_if, parse_body

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from api_server.chat_pipeline import ChatDelta
+from api_server.chat_turn import ChatDelta
 from api_server.tool_calls import ToolCall
 
 

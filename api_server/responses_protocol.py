@@ -1,5 +1,5 @@
 """The body of POST /v1/responses, and its conversion into the chat form the shared pipeline
-takes (`api_server.chat_pipeline.ChatJob`).
+takes (`api_server.chat_turn.ChatJob`).
 
 Input items map onto chat messages as OpenAI defines them: a message item is a message, a
 `function_call` is an assistant tool call, a `function_call_output` a tool message. Reasoning

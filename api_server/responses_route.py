@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api_server.chat_pipeline import ChatJob, ChatRun, start_chat
+from api_server.chat_turn import ChatJob, ChatRun, start_chat
 from api_server.engine_client import EngineDeadError, GenerationFailed, RequestTimeoutError
 from api_server.engine_stream_response import named_event
 from api_server.off_loop import check_json_shape, is_large, off_loop_if, parse_body

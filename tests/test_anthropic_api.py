@@ -234,7 +234,7 @@ class FailingRun:
     prompt_tokens = 3
 
     def deltas(self):
-        from api_server.chat_pipeline import ChatDelta
+        from api_server.chat_turn import ChatDelta
 
         async def gen():
             yield ChatDelta(0, content="Hi", prompt_tokens=3, completion_tokens=1)

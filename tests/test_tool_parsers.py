@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from api_server.chat_pipeline import ChatDelta
+from api_server.chat_turn import ChatDelta
 from api_server.output_blocks import BlockTracker
 from api_server.tool_calls import ForcedCallCollector
 from api_server.tool_parsers import (
