@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy
+from tests.oracle_cache import cached_oracle
 
 PROMPT = "Write a list of fruits: apple, banana,"
 
@@ -15,6 +16,14 @@ PROMPT = "Write a list of fruits: apple, banana,"
 @pytest.fixture(scope="module")
 def hf(smollm2_hf):
     return smollm2_hf
+
+
+@pytest.fixture(scope="module")
+def saved(smollm2_dir):
+    """saved(what, inputs, compute): a reference's token ids, computed once per weights and
+    inputs (tests/oracle_cache.py)."""
+    return lambda what, inputs, compute: cached_oracle(f"smollm2-{what}", smollm2_dir,
+                                                       [PROMPT, *inputs], compute)
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +53,23 @@ def text_of(tok, ids):
     return tok.decode(ids, skip_special_tokens=True)
 
 
-def test_repetition_penalty_matches_generate(server, hf):
+def test_repetition_penalty_matches_generate(server, hf, saved):
     model, tok = hf
     ids = tok(PROMPT)["input_ids"]
-    with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                              repetition_penalty=1.5, pad_token_id=tok.eos_token_id)[0, len(ids):]
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                  repetition_penalty=1.5,
+                                  pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+
+    want = saved("repetition-penalty", [20, 1.5], generate)
     got = complete(server, max_tokens=20, repetition_penalty=1.5, ignore_eos=True)
-    assert got["choices"][0]["text"] == text_of(tok, want.tolist())
+    assert got["choices"][0]["text"] == text_of(tok, want)
 
 
 @pytest.mark.parametrize("frequency,presence", [(1.2, 0.0), (0.0, 1.5), (0.6, 0.6), (-1.0, 0.0)])
-def test_frequency_and_presence_penalties(server, hf, frequency, presence):
+def test_frequency_and_presence_penalties(server, hf, saved, frequency, presence):
     model, tok = hf
     ids = tok(PROMPT)["input_ids"]
 
@@ -63,7 +77,8 @@ def test_frequency_and_presence_penalties(server, hf, frequency, presence):
         for t in set(generated):
             logits[t] -= frequency * generated.count(t) + presence
 
-    want = reference_loop(model, tok, ids, 16, adjust)
+    want = saved("penalties", [16, frequency, presence],
+                 lambda: reference_loop(model, tok, ids, 16, adjust))
     got = complete(server, max_tokens=16, frequency_penalty=frequency, presence_penalty=presence,
                    ignore_eos=True)
     assert got["choices"][0]["text"] == text_of(tok, want)
@@ -93,10 +108,10 @@ def test_min_tokens_masks_eos(server, hf):
     assert longer["usage"]["completion_tokens"] >= n + 5
 
 
-def test_stop_token_ids(server, hf):
+def test_stop_token_ids(server, hf, saved):
     model, tok = hf
     ids = tok(PROMPT)["input_ids"]
-    greedy = hf_greedy(model, tok, ids, 12)
+    greedy = saved("greedy", [12], lambda: hf_greedy(model, tok, ids, 12))
     stop_id = greedy[5]
     r = complete(server, max_tokens=12, stop_token_ids=[stop_id])
     choice = r["choices"][0]
