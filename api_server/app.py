@@ -24,6 +24,7 @@ from api_server.responses_route import ResponsesRoute
 from api_server.server_state import ServerState
 from api_server.serving_context import ServingContext, error_response, json_response
 from api_server.speech_route import SpeechRoute
+from api_server.web_chat import UI_PATHS, web_chat_routes
 from pipelines.status import PipelineTask
 
 logger = logging.getLogger("loom.api")
@@ -35,7 +36,7 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
               api_key: str | None = None, max_request_bytes: int = 16 << 20,
               speech: SpeechRoute | None = None, metrics_public: bool = False,
               bound_host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = (),
-              allowed_origins: tuple[str, ...] = ()):
+              allowed_origins: tuple[str, ...] = (), web_ui: bool = True):
     async def health(request: Request) -> Response:
         reason = state.unhealthy_reason()
         if reason is None:
@@ -93,6 +94,7 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
             Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/v1/embeddings", embeddings.create, methods=["POST"]),
             Route("/v1/audio/speech", speech.create, methods=["POST"]),
+            *(web_chat_routes() if web_ui else []),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
@@ -100,7 +102,8 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
     wrapped = limit_body_size(app, max_request_bytes)
     if api_key:
         wrapped = require_api_key(wrapped, api_key,
-                                  PUBLIC_PATHS | {"/metrics"} if metrics_public else PUBLIC_PATHS)
+                                  PUBLIC_PATHS | {"/metrics"} if metrics_public else PUBLIC_PATHS,
+                                  UI_PATHS if web_ui else frozenset())
     # A key keeps DNS-rebound pages out already (they cannot know it): the Host check is for
     # key-less servers. CORS preflights come before the key check (browsers send none).
     host_policy = None if api_key else HostPolicy(bound_host, allowed_hosts)

@@ -34,6 +34,7 @@ from api_server.tokenizer import TextTokenizer
 from pipelines.checkpoint.bert_config import BertConfig
 from pipelines.checkpoint.model_config import load_model_config
 from pipelines.config import PipelineConfig, ServerConfig
+from pipelines.progress import Progress
 from pipelines.status import PipelineTask
 from processes.cpu_placement import CpuPlacement
 from processes.lifecycle import freeze_startup_heap, run_role
@@ -235,7 +236,7 @@ class Launcher:
                         max_request_bytes=server_cfg.max_request_bytes, speech=speech,
                         metrics_public=server_cfg.metrics_public, bound_host=server_cfg.host,
                         allowed_hosts=server_cfg.allowed_hosts,
-                        allowed_origins=server_cfg.allowed_origins)
+                        allowed_origins=server_cfg.allowed_origins, web_ui=server_cfg.web_ui)
         server = _Server(uvicorn.Config(
             app, log_level=server_cfg.log_level, access_log=server_cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
@@ -253,8 +254,7 @@ class Launcher:
             tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]
             logger.info("IPC sockets in %s", self.ipc_dir)
-            print(f"loom: serving {model.served_model_name} on http://{host}:{port}",
-                  flush=True)
+            print(ready_line(model.served_model_name, host, port, server_cfg), flush=True)
             await server.serve(sockets=[listen_socket])
         finally:
             for task in tasks:
@@ -266,9 +266,12 @@ class Launcher:
 
     async def _wait_ready(self, engine: EngineClient, watcher: asyncio.Task) -> None:
         ready = asyncio.ensure_future(engine.wait_ready())
-        done, _ = await asyncio.wait({ready, watcher},
-                                     timeout=self.cfg.server_config.startup_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        # The worker builds any missing kernel (its own progress lines), loads the weights and
+        # prefaults the KV cache: this says the server is still alive meanwhile.
+        with Progress(f"loading {self.cfg.model_config.served_model_name} (weights, KV cache)"):
+            done, _ = await asyncio.wait({ready, watcher},
+                                         timeout=self.cfg.server_config.startup_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
         if ready in done:
             try:
                 ready.result()
@@ -280,6 +283,17 @@ class Launcher:
             raise StartupError(engine.dead_reason or "a child process died during start-up")
         raise StartupError(f"the engine did not become ready in "
                            f"{self.cfg.server_config.startup_timeout:.0f}s")
+
+
+def ready_line(model_name: str, host: str, port: int, cfg: ServerConfig) -> str:
+    """What `loom serve` prints once it answers: where the API, the web chat and the metrics
+    are."""
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    parts = [f"loom: serving {model_name} on {base} (API {base}/v1"]
+    if cfg.web_ui:
+        parts.append(f"web chat {base}/")
+    parts.append(f"metrics {base}/metrics)")
+    return ", ".join(parts)
 
 
 def _rank_placement(placement: CpuPlacement | None, rank: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hmac
 
 import msgspec
@@ -67,9 +68,12 @@ def limit_body_size(app, max_bytes: int):
     return middleware
 
 
-def require_api_key(app, api_key: str, public_paths: frozenset[str] = PUBLIC_PATHS):
+def require_api_key(app, api_key: str, public_paths: frozenset[str] = PUBLIC_PATHS,
+                    browser_paths: frozenset[str] = frozenset()):
     """Every route but `public_paths` needs `Authorization: Bearer <key>`, or
-    `x-api-key: <key>` (how Anthropic's clients send it)."""
+    `x-api-key: <key>` (how Anthropic's clients send it), or HTTP Basic with the key as
+    password (any user name): how a browser sends it to the web chat and its page's requests,
+    after the 401 of a `browser_paths` page asked for it."""
     expected = f"Bearer {api_key}".encode()
     expected_header = api_key.encode()
 
@@ -79,13 +83,27 @@ def require_api_key(app, api_key: str, public_paths: frozenset[str] = PUBLIC_PAT
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")
         given_header = headers.get(b"x-api-key", b"")
-        # Both compared, in constant time, whichever was sent.
+        # All compared, in constant time, whichever was sent.
         bearer_ok = hmac.compare_digest(given, expected)
         header_ok = hmac.compare_digest(given_header, expected_header)
-        if not (bearer_ok or header_ok):
+        basic_ok = hmac.compare_digest(_basic_password(given), expected_header)
+        if not (bearer_ok or header_ok or basic_ok):
+            challenge = (b'Basic realm="Loom", charset="UTF-8"'
+                         if scope["path"] in browser_paths else b"Bearer")
             return await send_error(send, 401, "missing or invalid API key",
                                     "authentication_error", "invalid_api_key",
-                                    [(b"www-authenticate", b"Bearer")])
+                                    [(b"www-authenticate", challenge)])
         return await app(scope, receive, send)
 
     return middleware
+
+
+def _basic_password(authorization: bytes) -> bytes:
+    """The password of `Authorization: Basic base64(user:password)`, or b"" ."""
+    scheme, _, credentials = authorization.partition(b" ")
+    if scheme.lower() != b"basic":
+        return b""
+    try:
+        return base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+    except ValueError:
+        return b""

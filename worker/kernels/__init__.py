@@ -31,6 +31,8 @@ import subprocess
 import tempfile
 import time
 
+from pipelines.progress import Progress  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,7 +94,9 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 # system) that lacks this one: build it privately.
                 target = os.path.join(_private_build_dir(), filename)
             started = time.monotonic()
-            _compile(os.path.join(_HERE, f"{name}.c"), target, defines, march)
+            # (Seconds to minutes per kernel on a small machine, once: say so while it runs.)
+            with Progress(f"compiling native kernel {name} (first start only)"):
+                _compile(os.path.join(_HERE, f"{name}.c"), target, defines, march)
             _build_seconds[0] += time.monotonic() - started
             _outcomes[key] = "built"
             fd = _open_trusted(target)
