@@ -7,6 +7,8 @@ import os
 import re
 import sys
 
+import bench.cli as bench_cli
+from api_server import chat_cli
 from api_server.launcher import StartupError, serve
 from pipelines.config import KVCacheConfig, PipelineConfig
 from pipelines.flags import add_flags
@@ -21,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every flag is a setting of pipelines/config.py's PipelineConfig; its "
                     "spellings (MAX's and vLLM's) land on the same setting.")
     add_flags(serve_parser, PipelineConfig)
+    # (Their modules import nothing heavy: `loom serve` stays lean.)
+    chat_cli.build_parser(sub)
+    bench_cli.build_parser(sub)
     return parser
 
 
@@ -215,6 +220,10 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "chat":
+        return chat_cli.main(args)
+    if args.command == "bench":
+        return bench_cli.main(args)
     try:
         cfg = resolve_model(serve_config_from_args(args))
     except (StartupError, FileNotFoundError) as exc:

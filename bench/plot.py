@@ -113,6 +113,62 @@ def write_plot(results: dict, path: str) -> str | None:
     return path
 
 
+def distribution(results: dict, path: str) -> str:
+    """Two panels: the TTFT and the ITL distributions (empirical CDFs, ms, log scale) of every
+    level of every server, from the raw samples `loom bench` keeps (results[key]["samples"]).
+    Raises ValueError when the result holds no samples."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    curves = []  # (label, ttft ms, itl ms)
+    for key in ("server", "peer"):
+        record = results.get(key) or {}
+        name = record.get("name") or ("loom" if key == "server" else "peer")
+        for c, sample in sorted((record.get("samples") or {}).items(), key=lambda kv: int(kv[0])):
+            curves.append((f"{name} c={c}", sorted(t * 1e3 for t in sample["ttft_s"]),
+                           sorted(t * 1e3 for t in sample["itl_s"])))
+    if not any(ttft or itl for _, ttft, itl in curves):
+        raise ValueError("no TTFT or ITL samples in this result")
+    fig = Figure(figsize=(11, 4.2), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    for ax, index, heading in ((axes[0], 1, "Time to first token"),
+                               (axes[1], 2, "Inter-token latency")):
+        for curve in curves:
+            values = [v for v in curve[index] if v > 0]
+            if values:
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))],
+                        where="post", label=curve[0])
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("ms (log scale)")
+        ax.set_ylabel("fraction of samples at or below")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(heading)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title(results))
+    fig.savefig(path, format="png")
+    return path
+
+
+def write_distribution_plot(results: dict, path: str) -> str | None:
+    """distribution(), for `loom bench`: a failure is one line on stderr, never a failed run."""
+    try:
+        distribution(results, path)
+    except ImportError:
+        log("bench: no latency plot: matplotlib is not installed (pip install 'loom-serve[bench]')")
+        return None
+    except Exception as exc:  # noqa: BLE001 - the numbers are in the JSON already
+        log(f"bench: no latency plot: {type(exc).__name__}: {exc}")
+        return None
+    log(f"bench: wrote {path}")
+    return path
+
+
 def _number(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
