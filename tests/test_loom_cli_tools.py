@@ -1,0 +1,115 @@
+"""`loom chat` through a pseudo-terminal and `loom bench` against a running server: the
+shared tiny server of the client tests (conftest.client_server)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import ROOT
+
+pexpect = pytest.importorskip("pexpect")
+
+
+def loom(*args: str, timeout: float = 60):
+    return pexpect.spawn(sys.executable, ["-m", "api_server.cli", *args], cwd=ROOT,
+                         env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "TERM": "dumb",
+                              "NO_PROXY": "*"},
+                         encoding="utf-8", timeout=timeout, dimensions=(40, 200))
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    text = httpx.get(server.url + "/metrics").text
+    pattern = re.escape(name) + r"\{[^}]*" + re.escape(labels) + r"[^}]*\}\s+(\S+)"
+    return sum(float(v) for v in re.findall(pattern, text))
+
+
+def prompt_tokens_of(server, chat, line: str) -> int:
+    """Sends `line`, waits for the whole answer; the prompt tokens the server read for it."""
+    name = "loom:request_prompt_tokens_sum"  # (recorded as each request finishes)
+    before = metric(server, name)
+    chat.sendline(line)
+    chat.expect(">>> ", timeout=120)
+    deadline = time.monotonic() + 10
+    while metric(server, name) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(metric(server, name) - before)
+
+
+def test_loom_chat_streams_stops_and_resets(client_server):
+    srv = client_server
+    chat = loom("chat", "--url", srv.url, "--temperature", "0", "--max-tokens", "400")
+    try:
+        chat.expect("loom chat with tiny")
+        chat.expect(">>> ")
+        first = prompt_tokens_of(srv, chat, "Hello")
+        assert chat.before.strip()  # the streamed answer
+        # The conversation is kept: the next question's prompt holds the first turn.
+        assert prompt_tokens_of(srv, chat, "Hello") > 2 * first - 5
+        chat.sendline("/reset")
+        chat.expect(r"\(conversation forgotten\)")
+        chat.expect(">>> ")
+        # A long answer stopped by Ctrl-C: the chat goes on, the server aborts the request.
+        aborted = metric(srv, "loom:request_success_total", 'finished_reason="abort"')
+        chat.sendline("Tell me a long story")
+        chat.expect(r"\S{3}")
+        chat.sendintr()
+        chat.expect(r"\[stopped\]")
+        chat.expect(">>> ")
+        deadline = time.monotonic() + 30
+        while metric(srv, "loom:request_success_total", 'finished_reason="abort"') == aborted:
+            assert time.monotonic() < deadline, "the server did not abort the stopped answer"
+            time.sleep(0.1)
+        # After /reset the same question is the same prompt as the very first.
+        chat.sendline("/reset")
+        chat.expect(">>> ")
+        assert prompt_tokens_of(srv, chat, "Hello") == first
+        chat.sendline("/reset")
+        chat.expect(">>> ")
+        chat.sendline("/system Be brief.")
+        chat.expect(r"\(system prompt set\)")
+        chat.expect(">>> ")
+        # (SmolLM2's template has a long default system prompt: "Be brief." replaces it.)
+        assert prompt_tokens_of(srv, chat, "Hello") not in (0, first)
+        chat.sendline("/quit")
+        chat.expect(pexpect.EOF)
+    finally:
+        chat.close(force=True)
+    assert chat.exitstatus == 0, chat.before
+
+
+def test_loom_bench_writes_json_and_plots_matching_its_table(client_server, tmp_path):
+    out = tmp_path / "results"
+    bench = loom("bench", "--url", client_server.url, "--prompt-len", "16", "--output-len", "8",
+                 "--concurrency", "1", "2", "--out", str(out), timeout=300)
+    bench.expect(pexpect.EOF)
+    bench.close()
+    text = bench.before
+    assert bench.exitstatus == 0, text
+    (result,) = glob.glob(str(out / "*.json"))
+    stem = result[:-len(".json")]
+    for png in (stem + ".png", stem + "-latency.png"):
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
+    with open(result) as f:
+        results = json.load(f)
+    assert results["server"]["model"] == "tiny"
+    assert set(results["server"]["samples"]) == {"1", "2"}
+    rows = {int(cells[1]): cells for line in text.splitlines()
+            if (cells := line.split()) and cells[0] == "loom" and cells[1].isdigit()}
+    assert set(rows) == {1, 2}, text
+    for c, cells in rows.items():
+        level = results["server"]["levels"][str(c)]
+        assert level["completed"] == int(cells[9]) >= 4 and level["failed"] == int(cells[10]) == 0
+        assert float(cells[2]) == round(level["output_tok_s"], 1)
+        assert float(cells[3]) == round(level["requests_s"], 2)
+        for cell, key in zip(cells[4:9], ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                                          "e2e_p50_s")):
+            assert float(cell) == round(level[key] * 1e3, 1), key
+        assert len(results["server"]["samples"][str(c)]["ttft_s"]) == level["completed"]
