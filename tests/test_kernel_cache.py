@@ -177,3 +177,34 @@ def test_baseline_build_is_found_by_any_cpu_of_that_baseline(tmp_path):
     assert "-march=x86-64," in summary
     loaded, summary, _ = load(cache, LOOM_KERNEL_MARCH="x86-64", CC="/nonexistent/cc")
     assert loaded == built and "loaded from cache" in summary
+
+
+def test_cold_start_logs_progress_every_few_seconds(tiny_model_dir, tmp_path, monkeypatch):
+    """`loom serve` with kernels to build says so while it builds and loads: no silent gap
+    between its first progress line and the ready line. (The cache is seeded with the other
+    kernels this session built, so that only two compile here: a fully cold start takes
+    minutes on a small machine, with the same lines.)"""
+    from datetime import datetime
+
+    import worker.kernels as kernels
+    from tests.helpers import start_server
+
+    built = kernels._cache_dir()
+    cold = tmp_path / "cache" / "kernels"
+    cold.mkdir(parents=True, mode=0o700)
+    for name in os.listdir(built) if os.path.isdir(built) else ():
+        if name.endswith(".so") and not name.startswith(("layer_ops-", "paged_prefill")):
+            shutil.copy2(os.path.join(built, name), cold / name)
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LOOM_PROGRESS_INTERVAL", "0.5")
+    srv = start_server(tiny_model_dir)
+    assert srv.stop() == 0
+    log = srv.log().splitlines()
+    assert any("compiling native kernel layer_ops" in line and "done in" in line for line in log)
+    first = next(i for i, line in enumerate(log) if "loom.progress" in line)
+    ready = next(i for i, line in enumerate(log) if line.startswith("loom: serving"))
+    assert "web chat http://127.0.0.1:" in log[ready] and "/metrics" in log[ready]
+    stamps = [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+              for line in log[first:ready] if line[:4].isdigit()]
+    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    assert len(stamps) >= 3 and max(gaps) < 3.0, log[first:ready + 1]
