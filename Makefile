@@ -16,14 +16,20 @@ test: model test-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The Prometheus test scrapes Loom with a real Prometheus server: install Debian's package
-# when possible (root with apt-get); otherwise that one test is skipped.
+# The Prometheus test scrapes Loom with a real Prometheus server, and the web chat's test drives
+# headless Chromium: install Debian's packages when possible (root with apt-get); otherwise
+# those tests are skipped.
 test-tools:
 	@command -v prometheus >/dev/null 2>&1 || { \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null \
 	      || echo "note: could not install prometheus; its test will be skipped"; \
 	  else echo "note: prometheus not installed; its test will be skipped"; fi; }
+	@command -v chromedriver >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null \
+	      || echo "note: could not install chromium; the web chat's test will be skipped"; \
+	  else echo "note: chromium not installed; the web chat's test will be skipped"; fi; }
 
 setup: $(STAMP)
 

@@ -312,5 +312,13 @@ def test_api_key(tiny_model_dir):
         good = httpx.post(srv.url + COMP, json={"prompt": "hi", "max_tokens": 1},
                           headers={"Authorization": "Bearer s3cret"})
         assert good.status_code == 200
+        # The web chat too: its 401 makes a browser ask (any user name, the key as password),
+        # and the browser then sends the same Basic credentials with the page's requests.
+        page = httpx.get(srv.url + "/")
+        assert page.status_code == 401 and page.headers["www-authenticate"].startswith("Basic")
+        assert httpx.get(srv.url + "/", auth=("me", "nope")).status_code == 401
+        page = httpx.get(srv.url + "/", auth=("me", "s3cret"))
+        assert page.status_code == 200 and "<title>Loom chat</title>" in page.text
+        assert httpx.get(srv.url + "/v1/models", auth=("", "s3cret")).status_code == 200
     finally:
         srv.stop()

@@ -7,6 +7,7 @@ install either) from a directory outside both."""
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import pytest
 
 from tests.helpers import ROOT
 
-PACKAGES = ("api_server", "scheduler", "worker", "serialization", "processes", "pipelines")
+PACKAGES = ("api_server", "scheduler", "worker", "serialization", "processes", "pipelines",
+            "bench")
 KERNEL_SOURCES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "worker",
                                                                             "kernels", "*.[ch]")))
 
@@ -47,6 +49,23 @@ def test_wheel_ships_the_kernel_sources(installed):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [s for s in KERNEL_SOURCES if f"worker/kernels/{s}" not in names]
     assert not missing, f"the wheel lacks {missing}"
+
+
+def test_wheel_ships_the_web_chat_and_loom_bench(installed):
+    """The web chat's page and assets (no CDN: it must work offline) and `loom bench`."""
+    wheel, _ = installed
+    names = set(zipfile.ZipFile(wheel).namelist())
+    static = sorted(os.listdir(os.path.join(ROOT, "api_server", "static")))
+    assert {"index.html", "chat.js", "markdown.js", "chat.css"} <= set(static)
+    missing = [n for n in static if f"api_server/static/{n}" not in names]
+    assert not missing, f"the wheel lacks {missing}"
+    assert {"bench/cli.py", "bench/plot.py", "bench/load.py"} <= names
+    # Nothing loaded from elsewhere: no absolute or protocol-relative asset URL.
+    for name in static:
+        with open(os.path.join(ROOT, "api_server", "static", name)) as f:
+            text = f.read()
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//|url\(\s*["']?(https?:)?//|@import""",
+                             text), name
 
 
 @pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),

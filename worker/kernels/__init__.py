@@ -19,6 +19,7 @@ on a CPU below that baseline they are rebuilt for the CPU at hand (or PyTorch ru
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -30,8 +31,6 @@ import stat
 import subprocess
 import tempfile
 import time
-
-from pipelines.progress import Progress  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 target = os.path.join(_private_build_dir(), filename)
             started = time.monotonic()
             # (Seconds to minutes per kernel on a small machine, once: say so while it runs.)
-            with Progress(f"compiling native kernel {name} (first start only)"):
+            with _progress(f"compiling native kernel {name} (first start only)"):
                 _compile(os.path.join(_HERE, f"{name}.c"), target, defines, march)
             _build_seconds[0] += time.monotonic() - started
             _outcomes[key] = "built"
@@ -340,6 +339,16 @@ def _warn_once(key: str, message: str, *args) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message, *args)
+
+
+def _progress(what: str):
+    # (This module runs without Loom's dependencies too, where an image prebuilds the kernels
+    # with `python -S -m worker.kernels`: pipelines/ needs msgspec.)
+    try:
+        from pipelines.progress import Progress
+    except ImportError:
+        return contextlib.nullcontext()
+    return Progress(what)
 
 
 def _compile(source: str, target: str, defines: tuple[str, ...] = (),
