@@ -42,32 +42,19 @@ def prompt_tokens_of(server, chat, line: str) -> int:
     return int(metric(server, name) - before)
 
 
-def test_loom_chat_streams_stops_and_resets(client_server):
+def test_loom_chat_keeps_the_conversation_and_resets(client_server):
     srv = client_server
-    chat = loom("chat", "--url", srv.url, "--temperature", "0", "--max-tokens", "400")
+    chat = loom("chat", "--url", srv.url, "--temperature", "0", "--max-tokens", "64")
     try:
         chat.expect("loom chat with tiny")
         chat.expect(">>> ")
         first = prompt_tokens_of(srv, chat, "Hello")
-        assert chat.before.strip()  # the streamed answer
+        assert chat.before.split("\n", 1)[1].strip()  # the answer, after the echoed line
         # The conversation is kept: the next question's prompt holds the first turn.
         assert prompt_tokens_of(srv, chat, "Hello") > 2 * first - 5
-        chat.sendline("/reset")
-        chat.expect(r"\(conversation forgotten\)")
-        chat.expect(">>> ")
-        # A long answer stopped by Ctrl-C: the chat goes on, the server aborts the request.
-        aborted = metric(srv, "loom:request_success_total", 'finished_reason="abort"')
-        chat.sendline("Tell me a long story")
-        chat.expect(r"\S{3}")
-        chat.sendintr()
-        chat.expect(r"\[stopped\]")
-        chat.expect(">>> ")
-        deadline = time.monotonic() + 30
-        while metric(srv, "loom:request_success_total", 'finished_reason="abort"') == aborted:
-            assert time.monotonic() < deadline, "the server did not abort the stopped answer"
-            time.sleep(0.1)
         # After /reset the same question is the same prompt as the very first.
         chat.sendline("/reset")
+        chat.expect(r"\(conversation forgotten\)")
         chat.expect(">>> ")
         assert prompt_tokens_of(srv, chat, "Hello") == first
         chat.sendline("/reset")
@@ -78,6 +65,33 @@ def test_loom_chat_streams_stops_and_resets(client_server):
         # (SmolLM2's template has a long default system prompt: "Be brief." replaces it.)
         assert prompt_tokens_of(srv, chat, "Hello") not in (0, first)
         chat.sendline("/quit")
+        chat.expect(pexpect.EOF)
+    finally:
+        chat.close(force=True)
+    assert chat.exitstatus == 0, chat.before
+
+
+def test_loom_chat_ctrl_c_stops_the_answer_on_the_server(client_server):
+    srv = client_server
+    chat = loom("chat", "--url", srv.url, "--max-tokens", "960")
+    try:
+        chat.expect(">>> ")
+        aborted = metric(srv, "loom:request_success_total", 'finished_reason="abort"')
+        chat.sendline("Tell me a long story")
+        chat.expect("Tell me a long story\r\n")  # (the terminal's echo of the line)
+        chat.expect(r"\S{3}")  # the answer has begun
+        chat.sendintr()
+        chat.expect(r"\[stopped\]")
+        chat.expect(">>> ")
+        # The connection closed, so the server aborted the request (not run to its length).
+        deadline = time.monotonic() + 30
+        while metric(srv, "loom:request_success_total", 'finished_reason="abort"') == aborted:
+            assert time.monotonic() < deadline, "the server did not abort the stopped answer"
+            time.sleep(0.1)
+        # The chat goes on.
+        chat.sendline("/reset")
+        chat.expect(r"\(conversation forgotten\)")
+        chat.sendeof()
         chat.expect(pexpect.EOF)
     finally:
         chat.close(force=True)
