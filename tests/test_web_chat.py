@@ -1,8 +1,8 @@
 """The web chat at / in a real browser: headless Chromium (Debian's, `make test-tools`)
-driven by Selenium. One browser session and one server (the tiny vision model) for every
-check: streaming, the stop button freeing the request on the server, an image attachment,
-hostile model output shown as inert text, the live panel and the conversation kept across a
-reload. Screenshots are saved under pytest's tmp directory (the path is printed)."""
+driven by Selenium. One browser session and one server (the tiny vision model, and the voice
+where the [tts] extra is installed) for every check: streaming, the stop button freeing the
+request on the server, an image attachment, hostile model output shown as inert text, "speak",
+the live panel and the conversation kept across a reload. Screenshots are saved under pytest's tmp directory (the path is printed)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ HOSTILE = "<img src=x onerror=window.pwned=1> [click](javascript:window.pwned=2)
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
     vlm = make_tiny_idefics3(str(tmp_path_factory.mktemp("web-chat-vlm")), smollm2_dir)
-    srv = start_server(vlm, "--served-model-name", "vlm")
+    srv = start_server(vlm, "--served-model-name", "vlm", speech=True)
     yield srv
     assert srv.stop() == 0
 
@@ -171,6 +171,20 @@ def test_hostile_model_output_is_inert_text(browser, shots):
     time.sleep(0.5)  # (an image's error handler would have run by now)
     assert browser.execute_script("return window.pwned") is None
     browser.save_screenshot(str(shots / "4-hostile.png"))
+
+
+def test_speak_reads_an_answer_aloud_with_the_served_voice(browser, server):
+    voices = [m for m in httpx.get(server.url + "/v1/models").json()["data"]
+              if m.get("task") == "speech"]
+    if not voices:
+        pytest.skip("no voice served (the [tts] extra is not installed)")
+    ok = 'handler="/v1/audio/speech",method="POST",status="200"'
+    spoken = metric(server, "loom:http_requests_total", ok)
+    last_answer(browser).find_element(By.CSS_SELECTOR, "button.speak").click()
+    wait_for(lambda: metric(server, "loom:http_requests_total", ok) > spoken, timeout=60)
+    time.sleep(0.5)
+    assert not browser.find_element(By.ID, "error").is_displayed(), \
+        browser.find_element(By.ID, "error").text
 
 
 def test_the_conversation_is_kept_in_the_browser(browser, shots):
