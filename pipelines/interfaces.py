@@ -29,13 +29,8 @@ class PipelineTokenizer(Protocol, Generic[ContextT, RequestT]):
 
 @runtime_checkable
 class TokenGenerator(Protocol, Generic[ContextT]):
-    """Runs a batch of contexts forward and returns the next tokens.
-
-    Two implementations: `worker.pipeline.TextGenerationPipeline` takes MAX's form (a dict of
-    contexts, a dict of TextResponses per step); the server's worker process calls
-    `worker.model_runner.ModelRunner.next_token` every step with the paged form of the same
-    batch (the scheduler's StepBatch) and gets the responses packed as a StepResult.
-    """
+    """Runs a batch of contexts forward and returns the next tokens, each context updated
+    with its token. `worker.pipeline.TextGenerationPipeline` is the one the worker runs."""
 
     def next_token(
         self, batch: dict[str, ContextT], num_steps: int = 1

@@ -312,6 +312,7 @@ def new_request_for_worker(ctx: TextContext) -> NewRequest:
         json_schema=ctx.json_schema,
         rope_positions=ctx.extra_model_args.get("rope_positions")
         if isinstance(ctx, TextAndVisionContext) else None,
+        max_length=ctx.max_length,
     )
 
 

@@ -114,6 +114,8 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # int32 [3, n <= prompt_len] (temporal, height, width): image tokens take their place in
     # the image's grid. Later tokens continue from max + 1. None: a token's index.
     rope_positions: np.ndarray | None = None
+    # The context's max_length (prompt and output); 0: the model's.
+    max_length: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -61,7 +61,7 @@ def test_a_failing_request_fails_alone(untied_tiny_model_dir, oracle, monkeypatc
     if patch is not None:
         monkeypatch.setattr(*patch)
     prompts, expected = oracle
-    pipeline = TextGenerationPipeline(PipelineConfig.for_model(untied_tiny_model_dir,
+    pipeline = TextGenerationPipeline.in_process(PipelineConfig.for_model(untied_tiny_model_dir,
                                                                kv_cache_memory=4 << 20))
     honest = [TextContext(max_length=len(ids) + NEW_TOKENS, tokens=np.array(ids),
                           log_probabilities=2 if i == 0 else 0)
@@ -82,5 +82,5 @@ def test_a_failing_request_fails_alone(untied_tiny_model_dir, oracle, monkeypatc
                if honest[0].request_id in s)
     for ctx in batch.values():
         pipeline.release(ctx)
-    assert pipeline.blocks.num_free_blocks == pipeline.blocks.num_blocks
+    assert pipeline.steps.blocks.num_free_blocks == pipeline.steps.blocks.num_blocks
     assert pipeline.runner.requests == {} and pipeline.runner.failing == set()

@@ -1,29 +1,44 @@
-"""TextGenerationPipeline: MAX's TokenGenerator interface, in one process.
+"""TextGenerationPipeline: MAX's TokenGenerator, what the worker runs.
 
 `next_token(batch, num_steps)` runs the contexts of `batch` forward for `num_steps` steps and
-returns, per step, a TextResponse per request id that got a token; `release(context)` frees its
-KV blocks. It drives the server's own Scheduler (admission, chunked prefill, the prefix cache,
-preemption) and model runner, without the processes: for scripts, notebooks and benchmarks.
+returns, per step, a TextResponse per request id that got a token, each context `update`d with
+it (so the context's own status ends it at EOS, a stop token id, max_new_tokens or
+max_length); `release(context)` forgets it. The contexts' paged layout (their KV block tables,
+and which tokens each step feeds) comes from the pipeline's step source, MAX's KV manager:
+
+- `ScheduledSteps`, in the worker process: the scheduler process owns the blocks and sends one
+  StepBatch per step; the worker keeps a context per running request, made from the step's
+  NewRequest and kept current from each step's deltas (vLLM V1's persistent batch), so a
+  step carries only what changed.
+- `LocalSteps`, for scripts, notebooks and benchmarks: the server's own Scheduler (admission,
+  chunked prefill, the prefix cache, preemption) in this process.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from pipelines.config import PipelineConfig
-from pipelines.context import TextContext
+from pipelines.context import FUTURE_TOKEN, TextContext
 from pipelines.response import TextResponse
+from pipelines.status import GenerationStatus
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import ScheduledStep, Scheduler, sampled_logprobs_by_seq
+from serialization.messages import NewRequest, StepBatch, StepResult
 from worker.model_runner import ModelRunner
 
 
 class TextGenerationPipeline:
-    def __init__(self, pipeline_config: PipelineConfig) -> None:
-        self.runner = ModelRunner(pipeline_config)
-        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                   pipeline_config.kv_cache_config.enable_prefix_caching)
-        # (A tree not resolved by `loom serve` gets the model's context length from the runner.)
-        self.scheduler = Scheduler(pipeline_config.replace(max_length=self.runner.max_model_len),
-                                   self.blocks)
+    def __init__(self, runner: ModelRunner, steps: ScheduledSteps | LocalSteps) -> None:
+        self.runner = runner
+        self.steps = steps
+        self.last_result: StepResult | None = None  # the last step's, packed (the wire form)
+
+    @classmethod
+    def in_process(cls, pipeline_config: PipelineConfig) -> TextGenerationPipeline:
+        """A pipeline that schedules its contexts itself, with the server's Scheduler."""
+        runner = ModelRunner(pipeline_config)
+        return cls(runner, LocalSteps(runner, pipeline_config))
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -32,24 +47,117 @@ class TextGenerationPipeline:
     def next_token(
         self, batch: dict[str, TextContext], num_steps: int = 1
     ) -> list[dict[str, TextResponse]]:
-        self._admit(batch)
         responses: list[dict[str, TextResponse]] = []
         for _ in range(num_steps):
-            step = self.scheduler.schedule() if self.scheduler.has_work else None
+            step = self.steps.layout(batch)
             if step is None:
                 break
-            outputs = self.scheduler.update(step, self.runner.next_token(step.batch))
-            responses.append({
-                o.request_id: TextResponse(next_token=o.tokens[-1],
-                                           log_probabilities=(o.log_probabilities or [None])[-1])
-                for o in outputs if o.tokens})
+            self.last_result = self.runner.next_token(step.batch)
+            responses.append(self.steps.commit(step, self.last_result))
         return responses
 
     def release(self, context: TextContext) -> None:
-        """Ends the context if it still runs, and frees its KV blocks."""
+        """Ends the context if it still runs, and forgets it and its KV blocks."""
+        self.steps.release(context)
+        self.runner.release(context.request_id)
+
+
+class ScheduledSteps:
+    """The scheduler process's steps, as the worker receives them, and the contexts of the
+    requests they run."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.contexts: dict[str, TextContext] = {}
+        self._step: ScheduledStep | None = None
+
+    def receive(self, step: StepBatch) -> dict[str, TextContext]:
+        """Take a step from the scheduler: contexts for its new requests, and the batch of
+        contexts it runs, each context's window set to the tokens the step feeds it."""
+        for new in step.new_requests:
+            self.contexts[new.request_id] = self._new_context(new)
+        contexts = [self.contexts[rid] for rid in step.request_ids]
+        ids, q, seq_lens = step.input_ids, step.query_lens, step.seq_lens
+        starts = np.cumsum(q) - q
+        # A decode of the token this worker sampled last (FUTURE_TOKEN) finds its context as
+        # that update left it; the others (prompt chunks, a preempted request's recomputed
+        # tokens, a token given outright) are written into their contexts' windows.
+        for i in np.flatnonzero((q != 1) | (ids[starts] != FUTURE_TOKEN)).tolist():
+            ctx, n, s, start = contexts[i], int(q[i]), int(seq_lens[i]), int(starts[i])
+            ctx.tokens[s - n : s] = ids[start : start + n]
+            ctx.set_token_indices(start_idx=s - n, active_idx=s)
+        self._step = ScheduledStep(step, contexts, [])
+        return {ctx.request_id: ctx for ctx in contexts}
+
+    def _new_context(self, new: NewRequest) -> TextContext:
+        prompt = new.prompt_token_ids if new.prompt_token_ids is not None \
+            else np.zeros(new.prompt_len, np.int64)  # (filled in by the chunks that feed it)
+        return TextContext(request_id=new.request_id, tokens=prompt,
+                           max_length=new.max_length or self.max_model_len,
+                           eos_token_ids=set(new.eos_token_ids),
+                           sampling_params=new.sampling_params,
+                           log_probabilities=new.logprobs,
+                           log_probabilities_echo=new.echo_logprobs)
+
+    def layout(self, batch: dict[str, TextContext]) -> ScheduledStep | None:
+        step, self._step = self._step, None  # (one step per step received)
+        return step
+
+    def commit(self, step: ScheduledStep, result: StepResult) -> dict[str, TextResponse]:
+        return update_contexts(step, result)
+
+    def release(self, context: TextContext) -> None:
+        self.contexts.pop(context.request_id, None)
+
+
+def update_contexts(step: ScheduledStep, result: StepResult) -> dict[str, TextResponse]:
+    """Each context of `step` updated with its token (a prompt chunk that samples nothing
+    moves past the tokens it fed); the responses, by request id. A context already done (a
+    step built ahead of its last token's result, overlap scheduling) takes no more."""
+    sampled = result.sampled_token_ids.tolist()
+    logprobs = sampled_logprobs_by_seq(result) if result.sampled_logprobs is not None else {}
+    failed = {f.seq for f in result.failed}
+    active = GenerationStatus.ACTIVE
+    responses = {}
+    for i, (ctx, samples, token) in enumerate(zip(step.contexts, step.batch.sample.tolist(),
+                                                  sampled)):
+        if ctx.status is not active:
+            continue
+        if failed and i in failed:
+            ctx.status = GenerationStatus.ERROR
+        elif samples:
+            lp = logprobs.get(i) if logprobs else None
+            ctx.update(token, lp)
+            responses[ctx.request_id] = TextResponse(token, lp)
+        else:
+            ctx.set_token_indices(start_idx=ctx.active_idx)
+    return responses
+
+
+class LocalSteps:
+    """The server's Scheduler in this process: it admits the batch's contexts, allocates their
+    KV blocks and builds each step; its `update` applies the tokens to the contexts."""
+
+    def __init__(self, runner: ModelRunner, pipeline_config: PipelineConfig) -> None:
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
+                                   pipeline_config.kv_cache_config.enable_prefix_caching)
+        # (A tree not resolved by `loom serve` gets the model's context length from the runner.)
+        self.scheduler = Scheduler(pipeline_config.replace(max_length=runner.max_model_len),
+                                   self.blocks)
+
+    def layout(self, batch: dict[str, TextContext]) -> ScheduledStep | None:
+        self._admit(batch)
+        return self.scheduler.schedule() if self.scheduler.has_work else None
+
+    def commit(self, step: ScheduledStep, result: StepResult) -> dict[str, TextResponse]:
+        outputs = self.scheduler.update(step, result)
+        return {o.request_id: TextResponse(next_token=o.tokens[-1],
+                                           log_probabilities=(o.log_probabilities or [None])[-1])
+                for o in outputs if o.tokens}
+
+    def release(self, context: TextContext) -> None:
         self.scheduler.abort(context.request_id)
         self.blocks.free(context.request_id)
-        self.runner.release(context.request_id)
 
     def _admit(self, batch: dict[str, TextContext]) -> None:
         """New contexts join the scheduler; one it still runs must be in every batch (as MAX's

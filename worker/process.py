@@ -114,6 +114,7 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
     if rank == 0:
         results.send(encode(ready))
 
+    generator = _generator(runner, task)
     idle_tasks = _deferred_start_up(runner, prefault)
     idle_task = next(idle_tasks, None)
     while True:
@@ -131,9 +132,9 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
         if isinstance(msg, Shutdown):
             break
         if rank == 0:
-            results.send(encode(answer_step(runner, speech, msg, started)))
+            results.send(encode(answer_step(generator, speech, msg, started)))
         elif isinstance(msg, StepBatch):  # (speech runs on rank 0 alone)
-            answer_step(runner, speech, msg, started)
+            answer_step(generator, speech, msg, started)
     zctx.destroy(linger=0)
 
 
@@ -170,6 +171,16 @@ def _load_runner(cfg: PipelineConfig, rank: int):
     return ModelRunner(cfg, rank)
 
 
+def _generator(runner, task: PipelineTask):
+    """What runs the steps: for text, MAX's TextGenerationPipeline over the runner, fed the
+    scheduler's steps."""
+    if task is PipelineTask.EMBEDDINGS_GENERATION:
+        return runner
+    from worker.pipeline import ScheduledSteps, TextGenerationPipeline
+
+    return TextGenerationPipeline(runner, ScheduledSteps(runner.max_model_len))
+
+
 def _ready_message(runner, task: PipelineTask) -> WorkerReady:
     if task is PipelineTask.EMBEDDINGS_GENERATION:
         return WorkerReady(num_blocks=0, block_size=0, max_model_len=runner.max_model_len,
@@ -178,8 +189,16 @@ def _ready_message(runner, task: PipelineTask) -> WorkerReady:
                        max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
 
 
-def _text_step(runner, speech, msg: StepBatch) -> StepResult:
-    return runner.next_token(msg)
+def _text_step(pipeline, speech, msg: StepBatch) -> StepResult:
+    """The step's contexts run through `TextGenerationPipeline.next_token` (each updated
+    with its token); the packed result is what goes back to the scheduler."""
+    steps = pipeline.steps
+    for request_id in msg.finished_request_ids:
+        ctx = steps.contexts.get(request_id)
+        if ctx is not None:
+            pipeline.release(ctx)
+    pipeline.next_token(steps.receive(msg))
+    return pipeline.last_result
 
 
 def _embed_step(runner, speech, msg: EmbedStep) -> EmbedResult:
