@@ -12,6 +12,7 @@ values: the context is then a TextAndVisionContext.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 from typing import Any
@@ -193,8 +194,17 @@ class TextTokenizer:
 
     async def new_context(self, request: TokenGeneratorRequest) -> TextContext:
         vision: VisionPrompt | None = None
+        if request.images:
+            if request.messages is None:
+                raise RequestError("images go with messages: each fills a {\"type\": "
+                                   "\"image\"} part, or follows the last user message",
+                                   param="images")
+            if self.vision is None:
+                raise RequestError(TEXT_ONLY, param="images")
         if request.messages is not None:
             messages, parts = list(request.messages), []
+            if request.images:
+                messages = with_image_parts(messages, request.images)
             if self.vision is not None:
                 messages, parts = take_image_parts(messages, self.vision.limits)
             text = await self.render_prompt(messages, request.tools,
@@ -290,6 +300,32 @@ class TextTokenizer:
 # megabyte of text doesn't hold up every other client's stream.
 INLINE_TOKENIZE_CHARS = 32_768
 TEXT_ONLY = "this model reads text only, not images"
+
+
+def with_image_parts(messages: list[dict], images: list[bytes]) -> list[dict]:
+    """MAX's `TokenGeneratorRequest.images` as image parts of the messages: each fills the
+    next bare `{"type": "image"}` part, in order; the rest follow the last user message's
+    content. They then pass the same limits and checks as image_url parts."""
+    pending = [ImagePart(f"images[{i}]", "data:;base64," + base64.b64encode(data).decode())
+               for i, data in enumerate(images)]
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [pending.pop(0) if pending and isinstance(part, dict)
+                       and part.get("type") == "image" and len(part) == 1 else part
+                       for part in content]
+            message = {**message, "content": content}
+        out.append(message)
+    if pending:
+        last = max((i for i, m in enumerate(out) if m.get("role") == "user"), default=None)
+        if last is None:
+            raise RequestError("images need a user message to go with", param="images")
+        content = out[last].get("content")
+        if not isinstance(content, list):
+            content = [{"type": "text", "text": content}] if content else []
+        out[last] = {**out[last], "content": [*content, *pending]}
+    return out
 
 
 def _flatten_content(message: dict, index: int, image_token: str | None = None,

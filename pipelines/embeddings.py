@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -22,9 +22,11 @@ class EmbeddingsContext(msgspec.Struct, tag=True, kw_only=True, eq=False):
 
 
 class EmbeddingsResponse(msgspec.Struct):
-    embeddings: np.ndarray
+    embeddings: np.ndarray  # float32 [dim]
 
 
 @runtime_checkable
 class EmbeddingsGenerator(Protocol):
-    def encode(self, batch: dict[str, EmbeddingsContext]) -> dict[str, Any]: ...
+    """What the embeddings worker runs (worker/embedding_runner.py)."""
+
+    def encode(self, batch: dict[str, EmbeddingsContext]) -> dict[str, EmbeddingsResponse]: ...

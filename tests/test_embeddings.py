@@ -110,3 +110,22 @@ def test_bad_inputs(server, body, param):
 def test_generation_server_refuses_embeddings(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/embeddings", json={"input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_the_runner_is_maxs_embeddings_generator():
+    """What the embeddings worker runs: `encode(batch of contexts) -> {id: EmbeddingsResponse}`,
+    the vectors of the oracle whatever the batch's order."""
+    from pipelines.embeddings import EmbeddingsContext, EmbeddingsGenerator, EmbeddingsResponse
+    from worker.embedding_runner import EmbeddingRunner
+
+    runner = EmbeddingRunner(MODEL_DIR)
+    assert isinstance(runner, EmbeddingsGenerator)
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    batch = {f"r{i}": EmbeddingsContext(tokens=np.array(tok.encode(t)), request_id=f"r{i}")
+             for i, t in enumerate(TEXTS)}
+    responses = runner.encode(batch)
+    assert list(responses) == list(batch)
+    want = oracle(TEXTS)
+    for i, response in enumerate(responses.values()):
+        assert isinstance(response, EmbeddingsResponse)
+        np.testing.assert_allclose(response.embeddings, want[i], atol=1e-5)

@@ -24,6 +24,7 @@ import torch
 import transformers
 from PIL import Image
 
+from api_server.protocol import RequestError
 from api_server.reasoning_budget import close_thinking, continue_after_thinking
 from api_server.tokenizer import TextTokenizer
 from bench.server_metrics import parse_series
@@ -459,6 +460,35 @@ def check_an_image_fault_fails_alone(tokenizer, runner, oracle, monkeypatch):
         assert ctx.generated_tokens.tolist() == oracle(names, text)[0], names
     assert len(runner.model.image_cache) == 0
     assert "culprit" not in runner.requests and runner.failing == set()  # released
+
+
+def test_request_images_work_like_image_parts(tokenizer):
+    """MAX's `TokenGeneratorRequest.images` (encoded bytes) fill the messages' bare image
+    parts in order, the rest following the last user message: the same context as
+    image_url parts; a text-only prompt with images is refused, naming `images`."""
+    def png(name):
+        buf = io.BytesIO()
+        IMAGES[name].save(buf, format="PNG")
+        return buf.getvalue()
+
+    def request(messages, images):
+        return asyncio.run(tokenizer.new_context(TokenGeneratorRequest(
+            id="images", index=0, model_name="vlm", messages=messages, images=images,
+            sampling_params=SamplingParams(max_new_tokens=MAX_TOKENS))))
+
+    want = new_context(tokenizer, chat(["wide", "tall"]), "parts")
+    placed = request([{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                                   {"type": "text", "text": TEXT}]}],
+                     [png("wide"), png("tall")])
+    assert placed.tokens.tolist() == want.tokens.tolist()
+    for a, b in zip(placed.images, want.images):
+        assert np.array_equal(a.pixel_values, b.pixel_values)
+    appended = request([{"role": "user", "content": TEXT}], [png("wide")])
+    assert len(appended.images) == 1
+    with pytest.raises(RequestError) as exc:
+        asyncio.run(tokenizer.new_context(TokenGeneratorRequest(
+            id="x", index=0, model_name="vlm", prompt="hi", images=[png("wide")])))
+    assert exc.value.param == "images"
 
 
 def test_closing_a_thought_keeps_the_images(tokenizer):

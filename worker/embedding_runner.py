@@ -1,7 +1,8 @@
 """EmbeddingRunner: MAX's EmbeddingsGenerator (max.pipelines), on Loom's own BERT encoder.
 
-`encode` takes a batch of tokenized inputs and returns one vector per input, computed in a
-single padded forward pass (inputs are sorted by length first so little is padding).
+`encode(batch)` takes a batch of contexts (tokenized inputs) by request id and returns an
+EmbeddingsResponse per request id, computed in a single padded forward pass (inputs are sorted
+by length first so little is padding). The embeddings worker runs it on each EmbedStep.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from pipelines.checkpoint.bert_config import BertConfig
+from pipelines.embeddings import EmbeddingsContext, EmbeddingsResponse
 from worker.models.bert import BertEncoder
 from worker.weights import load_checkpoint_weights, materialize_on_cpu
 
@@ -38,8 +40,14 @@ class EmbeddingRunner:
     def max_model_len(self) -> int:
         return self.config.max_seq_length
 
-    def encode(self, inputs: list[np.ndarray]) -> np.ndarray:
-        """float32 [len(inputs), dim]; one forward for the whole batch."""
+    def encode(self, batch: dict[str, EmbeddingsContext]) -> dict[str, EmbeddingsResponse]:
+        """A float32 [dim] vector per request id; one forward for the whole batch."""
+        ids = list(batch)
+        vectors = self.embed([batch[i].tokens for i in ids])
+        return {i: EmbeddingsResponse(v) for i, v in zip(ids, vectors)}
+
+    def embed(self, inputs: list[np.ndarray]) -> np.ndarray:
+        """float32 [len(inputs), dim]."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         longest = max(len(x) for x in inputs)
         ids = torch.zeros((len(inputs), longest), dtype=torch.long)

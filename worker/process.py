@@ -202,10 +202,19 @@ def _text_step(pipeline, speech, msg: StepBatch) -> StepResult:
 
 
 def _embed_step(runner, speech, msg: EmbedStep) -> EmbedResult:
+    """The step's inputs as contexts through `EmbeddingsGenerator.encode`, packed back."""
     import numpy as np
 
+    from pipelines.embeddings import EmbeddingsContext
+
     inputs = np.split(msg.input_ids, np.cumsum(msg.lengths)[:-1])
-    return EmbedResult(step_id=msg.step_id, embeddings=runner.encode(inputs))
+    batch = {rid: EmbeddingsContext(tokens=ids, request_id=rid)
+             for rid, ids in zip(msg.request_ids, inputs)}
+    if len(batch) != len(inputs):
+        raise ValueError(f"step {msg.step_id}: request ids repeat or miss inputs")
+    responses = runner.encode(batch)
+    return EmbedResult(step_id=msg.step_id,
+                       embeddings=np.stack([responses[rid].embeddings for rid in batch]))
 
 
 def _audio_step(runner, speech, msg: AudioStep) -> AudioResult:
