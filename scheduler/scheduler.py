@@ -308,7 +308,7 @@ def new_request_for_worker(ctx: TextContext) -> NewRequest:
         logprobs=ctx.log_probabilities,
         echo_logprobs=ctx.log_probabilities_echo,
         prompt_len=ctx.prompt_length,
-        prompt_token_ids=ctx.prompt_tokens.copy() if params.repetition_penalty != 1.0 else None,
+        prompt_token_ids=ctx.all_tokens.copy(),  # (the worker keeps a context of them)
         json_schema=ctx.json_schema,
         rope_positions=ctx.extra_model_args.get("rope_positions")
         if isinstance(ctx, TextAndVisionContext) else None,

@@ -106,7 +106,8 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Log probabilities of the prompt tokens too (OpenAI's `echo` with `logprobs`).
     echo_logprobs: bool = False
     prompt_len: int = 0
-    # Only sent when the repetition penalty needs them.
+    # The context's tokens when first scheduled: the prompt, then any given past it (a
+    # continuation's forced tokens, `jump_ahead`), as vLLM V1's NewRequestData sends them.
     prompt_token_ids: np.ndarray | None = None
     # Constrained decoding: outputs must match this JSON schema.
     json_schema: str | None = None

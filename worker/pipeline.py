@@ -90,14 +90,17 @@ class ScheduledSteps:
         return {ctx.request_id: ctx for ctx in contexts}
 
     def _new_context(self, new: NewRequest) -> TextContext:
-        prompt = new.prompt_token_ids if new.prompt_token_ids is not None \
-            else np.zeros(new.prompt_len, np.int64)  # (filled in by the chunks that feed it)
-        return TextContext(request_id=new.request_id, tokens=prompt,
-                           max_length=new.max_length or self.max_model_len,
-                           eos_token_ids=set(new.eos_token_ids),
-                           sampling_params=new.sampling_params,
-                           log_probabilities=new.logprobs,
-                           log_probabilities_echo=new.echo_logprobs)
+        tokens = new.prompt_token_ids if new.prompt_token_ids is not None \
+            else np.zeros(new.prompt_len, np.int64)  # (then filled in by the chunks)
+        ctx = TextContext(request_id=new.request_id, tokens=tokens[: new.prompt_len],
+                          max_length=new.max_length or self.max_model_len,
+                          eos_token_ids=set(new.eos_token_ids),
+                          sampling_params=new.sampling_params,
+                          log_probabilities=new.logprobs,
+                          log_probabilities_echo=new.echo_logprobs)
+        for token in tokens[new.prompt_len :].tolist():  # (given past the prompt)
+            ctx.jump_ahead(token)
+        return ctx
 
     def layout(self, batch: dict[str, TextContext]) -> ScheduledStep | None:
         step, self._step = self._step, None  # (one step per step received)
