@@ -30,6 +30,14 @@ def untied_tiny_model_dir(smollm2_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def idefics3_dir(smollm2_dir, tmp_path_factory) -> str:
+    """A tiny Idefics3 (tests/tiny_idefics3.py), built once for the vision tests."""
+    from tests.tiny_idefics3 import make_tiny_idefics3
+
+    return make_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3")), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def gguf_oracle():
     """(model, tokenizer): transformers loading the default GGUF file (dequantized to float32),
     the oracle of the tests that serve that file. Loaded once."""

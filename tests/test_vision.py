@@ -38,7 +38,6 @@ from scheduler.scheduler import Scheduler
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage
 from tests.helpers import start_server
-from tests.tiny_idefics3 import make_tiny_idefics3
 from worker.model_runner import ModelRunner
 
 MAX_TOKENS = 10
@@ -72,8 +71,8 @@ def chat(names: list[str], text: str = TEXT) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(smollm2_dir, tmp_path_factory):
-    return make_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3")), smollm2_dir)
+def vlm_dir(idefics3_dir):
+    return idefics3_dir
 
 
 class Oracle:

@@ -27,7 +27,6 @@ from api_server.protocol import RequestError
 from bench.server_metrics import parse_series
 from tests.helpers import start_server
 from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, data_url
-from tests.tiny_idefics3 import make_tiny_idefics3
 
 
 def png_base64(name: str) -> str:
@@ -47,9 +46,8 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory, media_dir):
-    vlm_dir = make_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3")), smollm2_dir)
-    srv = start_server(vlm_dir, "--served-model-name", "vlm", "--max-num-batched-tokens", "16",
+def server(idefics3_dir, media_dir):
+    srv = start_server(idefics3_dir, "--served-model-name", "vlm", "--max-num-batched-tokens", "16",
                        "--limit-mm-per-prompt", "2", "--allowed-local-media-path",
                        str(media_dir), "--max-request-image-pixels", str(REQUEST_PIXELS))
     yield srv
