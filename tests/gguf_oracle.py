@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import weakref
 
 import httpx
 import torch
@@ -35,11 +36,20 @@ def generate(url, prompts_ids, concurrent, max_tokens, timeout=120.0):
     return asyncio.run(go())
 
 
+_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def oracle_logprobs(model, prompt_ids, generated):
-    """The oracle's log probabilities at each generated position, fed Loom's tokens."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + generated])).logits
-    return logits[0, len(prompt_ids) - 1:-1].float().log_softmax(-1)
+    """The oracle's log probabilities at each generated position, fed Loom's tokens. Kept
+    while the model lives: alone, batched and split across ranks, Loom mostly generates the
+    same tokens."""
+    seen = _SEEN.setdefault(model, {})
+    key = (len(prompt_ids), tuple(prompt_ids + generated))
+    if key not in seen:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + generated])).logits
+        seen[key] = logits[0, len(prompt_ids) - 1:-1].float().log_softmax(-1)
+    return seen[key]
 
 
 def check_against_oracle(oracle, prompt_ids, generated, logprobs, stats, tie_nats,

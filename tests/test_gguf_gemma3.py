@@ -113,16 +113,6 @@ def server(gguf_path):
     assert srv.stop() == 0
 
 
-_ORACLE_CACHE: dict[tuple[int, ...], torch.Tensor] = {}
-
-
-def _oracle_logprobs(model, prompt_ids, generated):
-    key = tuple(prompt_ids + generated)
-    if key not in _ORACLE_CACHE:
-        _ORACLE_CACHE[key] = oracle_logprobs(model, prompt_ids, generated)
-    return _ORACLE_CACHE[key]
-
-
 @pytest.mark.parametrize("concurrent", [False, True], ids=["alone", "batched"])
 def test_greedy_output_agrees_with_transformers_on_the_gguf(server, oracle, prompts_ids,
                                                              concurrent):
@@ -131,7 +121,7 @@ def test_greedy_output_agrees_with_transformers_on_the_gguf(server, oracle, prom
     stats = {"exact": 0, "total": 0, "gap": 0.0, "logprob": 0.0}
     for prompt_ids, (generated, logprobs) in zip(prompts_ids, results):
         assert len(generated) == MAX_TOKENS
-        check_against_oracle(_oracle_logprobs(model, prompt_ids, generated), prompt_ids,
+        check_against_oracle(oracle_logprobs(model, prompt_ids, generated), prompt_ids,
                              generated, logprobs, stats, TIE_NATS, LOGPROB_NATS)
     print(f"\n{'batched' if concurrent else 'alone'}: {stats['exact']}/{stats['total']} exact, "
           f"largest gap to the oracle's choice {stats['gap']:.3f} nats, largest logprob "
