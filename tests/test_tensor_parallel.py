@@ -23,13 +23,11 @@ from pipelines.checkpoint.model_config import load_model_config
 from tests.helpers import ROOT, hf_greedy, make_tiny_checkpoint, start_server, wait_gone
 from tests.test_operations import stream_until_end
 from tests.test_server_oracle import PROMPTS, check_all, oracle  # noqa: F401 (a fixture)
+from tests.tp_child import sum_through_shared_memory
 from worker.tensor_parallel import (
     ShardPlan,
-    all_reduce,
     even_share,
-    init_process_group,
     shard_hf_weights,
-    use_shared_memory,
 )
 
 TP2 = ("--tensor-parallel-size", "2")
@@ -90,28 +88,12 @@ def test_row_parallel_parts_sum_to_the_whole_layer(smollm2_dir):
     assert shards[1][f"{p}self_attn.k_proj.weight"].shape == (d, h)  # its one kv head
 
 
-def _sum_through_shared_memory(rank, path, results):
-    torch.set_num_threads(1)
-    init_process_group(rank, 2, path, torch.device("cpu"))
-    assert use_shared_memory(1000)
-    gen = torch.Generator().manual_seed(rank)
-    sums = []
-    for n in [1, 7, 576, 1000] * 50 + [1001]:  # (1001: past the slots, through gloo)
-        x = torch.randn(n, generator=gen)
-        mine = x.clone()
-        all_reduce(x)
-        sums.append((mine.numpy(), x.numpy()))
-    results.put((rank, sums))
-    results.close()
-    results.join_thread()  # (before exiting: the parent must get the whole message)
-
-
 def test_shared_memory_all_reduce_sums_every_call(tmp_path):
     """Two processes, 201 all-reduces of varied sizes back to back (the two phases of slots
     reused many times): each result is the sum of both ranks' inputs, the same on both."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_sum_through_shared_memory,
+    procs = [ctx.Process(target=sum_through_shared_memory,
                          args=(r, str(tmp_path / "rdv"), results)) for r in range(2)]
     for p in procs:
         p.start()
