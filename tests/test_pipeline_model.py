@@ -84,9 +84,19 @@ def test_next_token_inputs_refuse_a_missing_block(model_and_oracle):
             runner.model.prepare_next_token_inputs(torch.tensor([5]), inputs)
 
 
-def test_kv_cache_estimate_is_what_the_runner_allocates(model_and_oracle):
+def test_kv_cache_sizing_is_the_mixins_one_path(model_and_oracle):
+    """MAX's KVCacheMixin: the footprint is --kv-cache-memory's whole blocks, the estimate is
+    in bytes (whole blocks of what it is given), and load_kv_manager allocates exactly that:
+    what the runner holds."""
+    from worker.pipeline_model import KVCacheMixin
+
     runner, _, _ = model_and_oracle
-    size = runner.model.estimate_kv_cache_size(8 << 20, runner.dtype, BLOCK,
-                                               runner.max_model_len, 64)
-    assert size <= 8 << 20
+    model = runner.model
+    assert isinstance(model, KVCacheMixin)
+    available = model.estimate_memory_footprint()
+    size = model.estimate_kv_cache_size(available)
+    assert 8 << 20 >= available > (8 << 20) - model.kv_block_bytes and size == available
+    assert model.estimate_kv_cache_size(available + model.kv_block_bytes - 1) == size
     assert size == runner.kv_cache.numel() * runner.kv_cache.element_size()
+    cache = model.load_kv_manager(torch.device("cpu"), size + model.kv_block_bytes - 1)
+    assert cache.shape == runner.kv_cache.shape and cache.dtype == runner.kv_cache.dtype

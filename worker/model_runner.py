@@ -26,18 +26,16 @@ from worker.block_weights import load_block_weights, quantize_weights
 from worker.cuda_graphs import GRAPH_SAFE_ARCHITECTURES, SINK_BLOCKS, DecodeGraphs
 from worker.device import (
     dtype_name,
-    gpu_kv_cache_budget,
     place_on,
     resolve_device,
     resolve_dtype,
 )
 from worker.fused_decode import FusedDecode
-from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
 from worker.logits_processors import process_logits
 from worker.logprobs import plan_echo, resolve_echo
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
-from worker.pipeline_model import ModelInputs, ModelOutputs, PipelineModel
+from worker.pipeline_model import KVCacheParams, ModelInputs, ModelOutputs, PipelineModel
 from worker.quant_linear import QuantLinear
 from worker.sampler import RequestSamplingState, describe, sample_isolated
 from worker.structured_output import GrammarCompiler
@@ -82,8 +80,19 @@ class ModelRunner:
                                                  model_path, self.quantization, self.tp,
                                                  self.device)
         shard = self.tp.config(self.config) if self.tp else self.config
-        per_block = bytes_per_block(shard, self.dtype, block_size)
-        self.num_blocks = agree_on_min(self._kv_cache_bytes(shard) // per_block)
+        self.model.session = self.device
+        self.model.kv_params = KVCacheParams(
+            dtype=self.dtype, page_size=block_size, max_length=self.max_model_len,
+            max_batch_size=self.max_batch_size,
+            max_batch_input_tokens=self.max_batch_input_tokens, memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.device_memory_utilization, shard=shard,
+            whole=self.config,
+            largest_shard=ShardPlan.for_rank(self.config, 0, self.tp.size).config(self.config)
+            if self.tp else self.config)
+        # (MAX's KVCacheMixin: the one sizing path; every rank takes the smallest count.)
+        per_block = self.model.kv_block_bytes
+        available = self.model.estimate_kv_cache_size(self.model.estimate_memory_footprint())
+        self.num_blocks = agree_on_min(available // per_block)
         if self.num_blocks * block_size < self.max_model_len:
             need = -(-self.max_model_len // block_size) * per_block
             raise MemoryError(
@@ -97,9 +106,8 @@ class ModelRunner:
             else None
         graphs = self._uses_cuda_graphs()
         # (With graphs, one block more than the scheduler knows of: padded rows write there.)
-        self.kv_cache = allocate_kv_cache(shard, self.dtype,
-                                          self.num_blocks + (SINK_BLOCKS if graphs else 0),
-                                          block_size, self.device)
+        self.kv_cache = self.model.load_kv_manager(
+            self.device, (self.num_blocks + (SINK_BLOCKS if graphs else 0)) * per_block)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size,
@@ -122,46 +130,6 @@ class ModelRunner:
         can be captured, unless --enforce-eager."""
         return (self.cuda_graphs and self.device.type == "cuda" and self.tp is None
                 and self.config.architecture in GRAPH_SAFE_ARCHITECTURES)
-
-    def _kv_cache_bytes(self, shard: ModelConfig) -> int:
-        """This worker's KV cache budget. On a GPU: --kv-cache-memory, or what
-        --gpu-memory-utilization leaves after the weights and a profiling forward. Split over
-        ranks, each holds its heads' part of the cache the whole model would have
-        (--kv-cache-memory is the whole cache's size), with the block count of the rank
-        holding the most heads (rank 0) on every rank."""
-        if self.device.type == "cuda" and self.kv_cache_memory is None:
-            return gpu_kv_cache_budget(self.device, self.device_memory_utilization,
-                                       self._profile_forward)
-        if self.tp is None:
-            return self.model.estimate_kv_cache_size(
-                self.kv_cache_memory, self.dtype, self.block_size, self.max_model_len,
-                self.max_batch_size)
-        blocks = estimate_kv_cache_size(self.config, self.dtype, self.block_size,
-                                        self.max_model_len, self.max_batch_size,
-                                        self.kv_cache_memory)
-        largest = ShardPlan.for_rank(self.config, 0, self.tp.size).config(self.config)
-        return blocks * bytes_per_block(largest, self.dtype, self.block_size)
-
-    def _profile_forward(self) -> None:
-        """The largest step's forward (a full --max-num-batched-tokens chunk with logits for
-        --max-num-seqs rows), over a scratch cache, for its peak activation memory."""
-        tokens = min(self.max_batch_input_tokens, self.max_model_len)
-        blocks = -(-tokens // self.block_size)
-        shard = self.tp.config(self.config) if self.tp else self.config
-        scratch = allocate_kv_cache(shard, self.dtype, blocks, self.block_size, self.device)
-        step = StepBatch(step_id=-1, request_ids=["profile"],
-                         input_ids=np.zeros(tokens, np.int32),
-                         query_lens=np.array([tokens], np.int32),
-                         seq_lens=np.array([tokens], np.int32),
-                         block_tables=np.arange(blocks, dtype=np.int32)[None, :],
-                         sample=np.array([True]))
-        rows = torch.arange(tokens - min(tokens, self.max_batch_size), tokens)
-        inputs = self.model.prepare_initial_token_inputs(
-            step, torch.zeros(tokens, dtype=torch.long), rows, len(rows), scratch,
-            self.block_size).to(self.device)
-        with torch.inference_mode():
-            self.model.execute(inputs)
-        del scratch
 
     @property
     def eos_token_ids(self) -> list[int]:

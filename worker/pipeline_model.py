@@ -13,7 +13,10 @@ How MAX's names map here:
 - `compute_log_probabilities(...)`: the sampled tokens' log probabilities and top-n
   alternatives, from the raw logits. Prompt (echo) log probabilities are not here: a prompt's
   rows span prefill chunks, so the runner carries them across steps (worker/logprobs.py).
-- `estimate_kv_cache_size(...)` (MAX's KVCacheMixin): the bytes the paged cache will take.
+- MAX's `KVCacheMixin`, the one KV sizing path: `estimate_memory_footprint()` (the bytes this
+  worker has for its cache), `estimate_kv_cache_size(available_cache_memory)` (the bytes the
+  paged cache takes of them: whole blocks) and `load_kv_manager(session, available_cache_memory)`
+  (the cache itself, on the session's device). The runner sets the model's `kv_params` first.
 - `release(request_id)`: a request finished; drop whatever the model keeps for it across
   steps (a vision model's image embeddings). Most models keep nothing.
 
@@ -29,9 +32,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from pipelines.checkpoint.model_config import ModelConfig
 from serialization.messages import StepBatch, TokenLogprobs
 from worker.attention import AttentionMetadata, build_attention_metadata
-from worker.kv_cache import bytes_per_block, estimate_kv_cache_size
+from worker.device import gpu_kv_cache_budget
+from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
 from worker.logprobs import token_logprobs
 
 
@@ -74,7 +79,88 @@ class ModelOutputs:
                             self.failed_requests)
 
 
-class PipelineModel(ABC):
+@dataclass(frozen=True)
+class KVCacheParams:
+    """What sizes a model's paged KV cache (MAX's KVCacheParams): the settings and the values
+    the runner resolved."""
+
+    dtype: torch.dtype
+    page_size: int  # tokens per block
+    max_length: int  # the longest sequence
+    max_batch_size: int  # (caps the default CPU cache: that many full-length sequences)
+    max_batch_input_tokens: int  # (a GPU's profiling step)
+    memory: int | None  # --kv-cache-memory, the whole cache's; None: from the device
+    gpu_memory_utilization: float
+    shard: ModelConfig  # this rank's part of the checkpoint's config
+    whole: ModelConfig  # the checkpoint's (the ranks split its cache by heads)
+    largest_shard: ModelConfig  # rank 0's part, which holds the most heads
+
+
+class KVCacheMixin:
+    """MAX's KVCacheMixin over the paged cache of worker/kv_cache.py, on a model whose
+    `kv_params` and `session` (its torch device) are set."""
+
+    kv_params: KVCacheParams
+    session: torch.device
+
+    @property
+    def kv_block_bytes(self) -> int:
+        p = self.kv_params
+        return bytes_per_block(p.shard, p.dtype, p.page_size)
+
+    def estimate_memory_footprint(self) -> int:
+        """The bytes this worker has for its KV cache. On a GPU: --kv-cache-memory, or what
+        --gpu-memory-utilization leaves after the weights and a profiling forward. On the CPU:
+        --kv-cache-memory, or a share of the free RAM, at most what max_batch_size full-length
+        sequences need. Split over ranks, each holds its heads' part of the cache the whole
+        model would have, with the block count of the rank holding the most heads."""
+        p = self.kv_params
+        if self.session.type == "cuda" and p.memory is None:
+            return gpu_kv_cache_budget(self.session, p.gpu_memory_utilization,
+                                       self._profile_forward)
+        blocks = estimate_kv_cache_size(p.whole, p.dtype, p.page_size, p.max_length,
+                                        p.max_batch_size, p.memory)
+        if p.shard is p.whole:
+            return blocks * self.kv_block_bytes
+        return blocks * bytes_per_block(p.largest_shard, p.dtype, p.page_size)
+
+    def estimate_kv_cache_size(self, available_cache_memory: int) -> int:
+        """The bytes the paged cache takes of `available_cache_memory`: whole blocks."""
+        per_block = self.kv_block_bytes
+        return available_cache_memory // per_block * per_block
+
+    def load_kv_manager(self, session: torch.device,
+                        available_cache_memory: int) -> torch.Tensor:
+        """The paged cache, as many blocks as `available_cache_memory` holds, on `session`
+        (the torch device standing in for MAX's InferenceSession)."""
+        p = self.kv_params
+        return allocate_kv_cache(p.shard, p.dtype,
+                                 self.estimate_kv_cache_size(available_cache_memory)
+                                 // self.kv_block_bytes, p.page_size, session)
+
+    def _profile_forward(self) -> None:
+        """The largest step's forward (a full max_batch_input_tokens chunk with logits for
+        max_batch_size rows), over a scratch cache, for its peak activation memory."""
+        p = self.kv_params
+        tokens = min(p.max_batch_input_tokens, p.max_length)
+        blocks = -(-tokens // p.page_size)
+        scratch = allocate_kv_cache(p.shard, p.dtype, blocks, p.page_size, self.session)
+        step = StepBatch(step_id=-1, request_ids=["profile"],
+                         input_ids=np.zeros(tokens, np.int32),
+                         query_lens=np.array([tokens], np.int32),
+                         seq_lens=np.array([tokens], np.int32),
+                         block_tables=np.arange(blocks, dtype=np.int32)[None, :],
+                         sample=np.array([True]))
+        rows = torch.arange(tokens - min(tokens, p.max_batch_size), tokens)
+        inputs = self.prepare_initial_token_inputs(
+            step, torch.zeros(tokens, dtype=torch.long), rows, len(rows), scratch,
+            p.page_size).to(self.session)
+        with torch.inference_mode():
+            self.execute(inputs)
+        del scratch
+
+
+class PipelineModel(KVCacheMixin, ABC):
     """What the runner asks of an architecture (MAX's `PipelineModel`)."""
 
     @abstractmethod
@@ -93,10 +179,6 @@ class PipelineModel(ABC):
     def compute_log_probabilities(self, model_inputs: ModelInputs, model_outputs: ModelOutputs,
                                   next_tokens: torch.Tensor,
                                   batch_top_n: list[int]) -> TokenLogprobs | None: ...
-
-    @abstractmethod
-    def estimate_kv_cache_size(self, available_cache_memory: int | None, dtype: torch.dtype,
-                               block_size: int, max_model_len: int, max_num_seqs: int) -> int: ...
 
     def release(self, request_id: str) -> None:  # noqa: B027 (a hook: most models keep none)
         """Forget per-request state kept across steps (none by default)."""
@@ -137,9 +219,3 @@ class PagedCausalLM(PipelineModel):
             return None
         return token_logprobs(model_outputs.next_token_logits[rows], next_tokens[rows],
                               max(batch_top_n))
-
-    def estimate_kv_cache_size(self, available_cache_memory, dtype, block_size, max_model_len,
-                               max_num_seqs):
-        blocks = estimate_kv_cache_size(self.config, dtype, block_size, max_model_len,
-                                        max_num_seqs, available_cache_memory)
-        return blocks * bytes_per_block(self.config, dtype, block_size)
