@@ -56,7 +56,9 @@ class Progress:
         if self._thread is not None:
             self._thread.join()
         elapsed = time.monotonic() - self.started
-        outcome = "failed" if exc_type is not None else "done"
+        # (GeneratorExit: a step run a piece at a time by a generator, closed unfinished.)
+        outcome = "done" if exc_type is None else \
+            "stopped" if exc_type is GeneratorExit else "failed"
         if self.tty:
             self.stream.write(f"\r\033[K{self.what}: {outcome} in {elapsed:.1f}s\n")
             self.stream.flush()

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -198,9 +199,15 @@ def test_cold_start_logs_progress_every_few_seconds(tiny_model_dir, tmp_path, mo
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("LOOM_PROGRESS_INTERVAL", "0.5")
     srv = start_server(tiny_model_dir)
+    # (What start-up leaves of the KV cache is faulted in once the worker is idle.)
+    deadline = time.monotonic() + 30
+    while "faulting in the KV cache: done" not in srv.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert srv.stop() == 0
     log = srv.log().splitlines()
     assert any("compiling native kernel layer_ops" in line and "done in" in line for line in log)
+    assert any(f"loading the weights of {tiny_model_dir}: done in" in line for line in log)
+    assert any("faulting in the KV cache: done in" in line for line in log), log
     first = next(i for i, line in enumerate(log) if "loom.progress" in line)
     ready = next(i for i, line in enumerate(log) if line.startswith("loom: serving"))
     assert "web chat http://127.0.0.1:" in log[ready] and "/metrics" in log[ready]

@@ -39,3 +39,18 @@ def test_elsewhere_plain_lines_every_interval(monkeypatch, caplog):
     assert len([line for line in lines if line.endswith("s") and "done" not in line]) >= 2
     assert lines[-1].startswith("compiling native kernel decoder: done in ")
     assert "\r" not in pipe.getvalue()
+
+
+def test_a_step_left_unfinished_by_its_generator_says_stopped(caplog):
+    """The KV cache's faults run a piece at a time from a generator; a server stopped before
+    they end says so, not that they failed."""
+    caplog.set_level(logging.INFO, logger="loom.progress")
+
+    def pieces():
+        with Progress("faulting in the KV cache", total=3, unit="blocks", stream=io.StringIO()):
+            yield from range(3)
+
+    steps = pieces()
+    next(steps)
+    steps.close()
+    assert caplog.records[-1].getMessage().startswith("faulting in the KV cache: stopped in ")

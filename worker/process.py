@@ -11,6 +11,7 @@ import traceback
 import zmq
 
 from pipelines.config import PipelineConfig
+from pipelines.progress import Progress
 from pipelines.status import PipelineTask
 from processes.cpu_placement import CpuPlacement, short_time_slice, worker_threads
 from processes.lifecycle import (
@@ -104,8 +105,12 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
     cache = getattr(runner, "kv_cache", None)  # (a GPU's is allocated zeroed: nothing to fault)
     prefault = KVCachePrefault(cache) if cache is not None and cache.device.type == "cpu" \
         else None
-    if prefault is not None:
-        prefault.run(STARTUP_PREFAULT_SECONDS)  # the blocks the first requests get
+    faulting = _faulting_in(prefault)
+    deadline = time.monotonic() + STARTUP_PREFAULT_SECONDS
+    for fault in faulting:  # the blocks the first requests get; the rest while idle
+        fault()
+        if time.monotonic() >= deadline:
+            break
     freeze_startup_heap()
     if size > 1:
         from worker.tensor_parallel import barrier
@@ -115,7 +120,7 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
         results.send(encode(ready))
 
     generator = _generator(runner, task)
-    idle_tasks = _deferred_start_up(runner, prefault)
+    idle_tasks = _deferred_start_up(runner, faulting)
     idle_task = next(idle_tasks, None)
     while True:
         # Idle for a while: do what start-up left for later, a short call at a time, until a
@@ -152,12 +157,25 @@ def answer_step(runner, speech, msg, started: float):
 
 def _deferred_start_up(runner, prefault):
     """Start-up work that need not delay /health, as short calls: the structured-output
-    tokenizer (0.4-0.5 s, once), then faulting in the KV cache's fresh blocks."""
+    tokenizer (0.4-0.5 s, once), then faulting in the KV cache's fresh blocks (`prefault`:
+    what start-up left of `_faulting_in`)."""
     grammars = getattr(runner, "grammars", None)
     if grammars is not None:
         yield grammars.load
-    while prefault is not None and not prefault.done:
-        yield prefault.step
+    if prefault is not None:
+        yield from prefault
+
+
+def _faulting_in(prefault):
+    """The KV cache's page faults as short calls, lowest blocks first, under one progress
+    report from the first to the last (seconds for gigabytes, spread over idle moments)."""
+    if prefault is None or prefault.done:
+        return
+    with Progress("faulting in the KV cache", total=prefault.num_blocks,
+                  unit="blocks") as progress:
+        while not prefault.done:
+            yield prefault.step
+            progress.done = prefault.next_block
 
 
 def _load_runner(cfg: PipelineConfig, rank: int):

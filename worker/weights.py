@@ -7,21 +7,37 @@ import os
 
 import torch
 
+from pipelines.progress import Progress
+
 
 def load_checkpoint_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    # (Tensor by tensor, as safetensors' load_file reads them, so a large checkpoint's
+    # minutes show progress.)
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        weights: dict[str, torch.Tensor] = {}
+        total = 0
         for path in files:
-            weights.update(load_file(path))
+            with safe_open(path, framework="pt") as f:
+                total += len(f.keys())
+        weights: dict[str, torch.Tensor] = {}
+        with Progress(f"loading the weights of {model_dir}", total=total,
+                      unit="tensors") as progress:
+            for path in files:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        weights[name] = f.get_tensor(name)
+                        progress.advance()
         return weights
     files = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
     if files:
         weights = {}
-        for path in files:
-            weights.update(torch.load(path, map_location="cpu", weights_only=True))
+        with Progress(f"loading the weights of {model_dir}", total=len(files),
+                      unit="files") as progress:
+            for path in files:
+                weights.update(torch.load(path, map_location="cpu", weights_only=True))
+                progress.advance()
         return weights
     raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
 
