@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
+import shlex
 import sys
 import time
 
 import httpx
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_pids, wait_gone
 
 pexpect = pytest.importorskip("pexpect")
 
 
 def loom(*args: str, timeout: float = 60):
-    return pexpect.spawn(sys.executable, ["-m", "api_server.cli", *args], cwd=ROOT,
+    return terminal(sys.executable, ["-m", "api_server.cli", *args], timeout)
+
+
+def terminal(program: str, args: list[str], timeout: float):
+    return pexpect.spawn(program, args, cwd=ROOT,
                          env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "TERM": "dumb",
                               "NO_PROXY": "*"},
                          encoding="utf-8", timeout=timeout, dimensions=(40, 200))
@@ -96,6 +102,42 @@ def test_loom_chat_ctrl_c_stops_the_answer_on_the_server(client_server):
     finally:
         chat.close(force=True)
     assert chat.exitstatus == 0, chat.before
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def test_loom_chat_with_a_model_starts_its_server_and_stops_it(tiny_model_dir):
+    """`loom chat --model M`: the server it starts answers, and leaves with the chat (its
+    API, scheduler and worker processes all gone). Run from a shell that outlives the chat,
+    as in a terminal: were the chat the terminal's session leader, its exit would hang the
+    server up whatever the chat did."""
+    chat_cmd = shlex.join([sys.executable, "-m", "api_server.cli", "chat", "--model",
+                           tiny_model_dir, "--max-tokens", "16",
+                           "--serve-args", "--num-threads 1 --no-speech"])
+    shell = terminal("/bin/sh", ["-c", f'{chat_cmd}; echo "chat exited $?"; sleep 60'], 180)
+    try:
+        shell.expect("starting loom serve --model ")
+        shell.expect("loom chat with ")
+        shell.expect(">>> ")
+        processes = descendants(shell.pid)
+        assert len(processes) >= 4, processes  # the chat, loom serve, its scheduler, worker
+        shell.sendline("Hello")
+        shell.expect("Hello\r\n")  # (the terminal's echo of the line)
+        shell.expect(r"\S{3}")  # the answer, as it streams
+        shell.expect(">>> ")
+        shell.sendline("/quit")
+        shell.expect("chat exited 0")
+        assert wait_gone(processes, timeout=40), \
+            [p for p in processes if os.path.exists(f"/proc/{p}")]
+    finally:
+        shell.close(force=True)
 
 
 def test_loom_bench_writes_json_and_plots_matching_its_table(client_server, tmp_path):
