@@ -11,12 +11,12 @@ run may hold other tokens between them (Idefics3 separates its tiles with
                               ^-- img0 --^                 ^-- img1 --^
     images:    ImageMetadata(start_idx=5, end_idx=9), ImageMetadata(start_idx=15, end_idx=19)
 
-`image_idx` is the first image not yet fully processed (start_idx < its end_idx). As in MAX's
-newest version, chunked prefill may split an image: the worker encodes an image in the step
-that feeds its first token and keeps the embeddings until its last token is fed
-(worker/vision_cache.py). A prefix-cache hit may end inside an image (a follow-up turn whose
-image's last block also holds new tokens): the first step after admission then sends every
-image it overlaps (`images_overlapping`), and the worker merges only the rows it feeds.
+`image_idx` is the first image not yet fully processed (start_idx < its end_idx). As MAX's
+newest version requires, no prefill chunk starts inside an image: the scheduler ends a chunk
+at the start of an image it would split, takes an image longer than the step budget whole,
+and cuts a prefix-cache hit that ends inside an image back to the image's start
+(`scheduler/scheduler.py`, `image_aligned_chunk`). So the step that feeds an image's first
+token feeds all of it, and the worker encodes it in that step.
 
 The context crosses the wire like TextContext (its own msgspec tag); pixel values travel as
 numpy arrays in msgpack-numpy's format.
@@ -128,12 +128,6 @@ class TextAndVisionContext(TextContext, kw_only=True, omit_defaults=True, eq=Fal
         """(index, image) of the images whose first token is in [start, end): the ones a step
         feeding those tokens must have encoded."""
         return [(i, img) for i, img in enumerate(self.images) if start <= img.start_idx < end]
-
-    def images_overlapping(self, start: int, end: int) -> list[tuple[int, ImageMetadata]]:
-        """(index, image) of the images with a token in [start, end): what a step that starts
-        the request's computation at `start` (after a prefix-cache hit) must have encoded."""
-        return [(i, img) for i, img in enumerate(self.images)
-                if img.start_idx < end and start < img.end_idx]
 
     def vision_token_mask(self, img: ImageMetadata) -> np.ndarray:
         """Which tokens of the image's run take an embedding row (bool, one per token)."""

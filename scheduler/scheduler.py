@@ -123,14 +123,13 @@ class Scheduler:
         budget = self.max_batch_input_tokens
         scheduled: list[TextContext] = []
         num_new: dict[str, int] = {}
-        admitted: set[str] = set()
         preempted = False
 
         # Running requests first, oldest first; preempt from the newest end when out of blocks.
         i = 0
         while i < len(self.running) and budget > 0:
             ctx = self.running[i]
-            n = min(ctx.end_idx - ctx.start_idx, budget)
+            n = image_aligned_chunk(ctx, ctx.start_idx, min(ctx.end_idx - ctx.start_idx, budget))
             if n == 0 or self._finishes_with_pending_token(ctx):
                 i += 1  # waiting for a result: nothing it can feed yet
                 continue
@@ -158,7 +157,7 @@ class Scheduler:
                 # (Echo needs logits at every prompt position: nothing may be skipped.)
                 cached = self._cached_prefix(ctx)
             start = len(cached) * self.blocks.block_size if cached else ctx.start_idx
-            n = min(ctx.end_idx - start, budget)
+            n = image_aligned_chunk(ctx, start, min(ctx.end_idx - start, budget))
             if n < ctx.end_idx - start and not self.enable_chunked_prefill:
                 break  # (the whole prompt in a step of its own, later)
             if not self.blocks.allocate(ctx.request_id, start + n, cached):
@@ -169,20 +168,27 @@ class Scheduler:
             self.running.append(ctx)
             scheduled.append(ctx)
             num_new[ctx.request_id] = n
-            admitted.add(ctx.request_id)
             budget -= n
 
         if not scheduled:
             return None
-        return self._build_step(scheduled, num_new, frozenset(admitted))
+        return self._build_step(scheduled, num_new)
 
     def _cached_prefix(self, ctx: TextContext) -> list[int]:
         """Cached blocks holding a prefix of the context's tokens under its `cache_salt`
         (another salt's blocks never match). Images are keyed by their pixels
-        (`prefix_cache_tokens`), so only the same image hits. A hit may end inside an image:
-        the step that starts after it sends the image again (`images_to_encode`)."""
-        return self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx],
-                                              ctx.cache_salt)
+        (`prefix_cache_tokens`), so only the same image hits. A hit that ends inside an image
+        is cut back to the block holding the image's first token (and again if that block
+        starts inside another image): no chunk starts inside an image."""
+        cached = self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx],
+                                                ctx.cache_salt)
+        if isinstance(ctx, TextAndVisionContext):
+            size, kept = self.blocks.block_size, len(cached)
+            # (That block's start may lie inside an earlier image: cut back again.)
+            while kept and (start := ctx.compute_image_aligned_idx(kept * size)) < kept * size:
+                kept = start // size
+            cached = cached[:kept]
+        return cached
 
     def _finishes_with_pending_token(self, ctx: TextContext) -> bool:
         """Its placeholder token is the last it may have: it is done once that arrives."""
@@ -199,8 +205,7 @@ class Scheduler:
         self.timings[ctx.request_id].num_preemptions += 1
         logger.debug("preempted %s (%d tokens)", ctx.request_id, ctx.end_idx)
 
-    def _build_step(self, contexts: list[TextContext], num_new: dict[str, int],
-                    admitted: frozenset[str] = frozenset()) -> ScheduledStep:
+    def _build_step(self, contexts: list[TextContext], num_new: dict[str, int]) -> ScheduledStep:
         new_requests = []
         now = time.monotonic()
         for ctx in contexts:
@@ -217,7 +222,6 @@ class Scheduler:
             [self.blocks.block_table(c.request_id) for c in contexts],
             new_requests,
             self._finished_since_last_step,
-            admitted,
         )
         self._finished_since_last_step = []
         self._next_step_id += 1
@@ -297,6 +301,22 @@ class Scheduler:
         return TextGenerationOutput(request_id=ctx.request_id, tokens=[],
                                     final_status=GenerationStatus.ERROR, error=message,
                                     timings=timings)
+
+
+def image_aligned_chunk(ctx: TextContext, start: int, n: int) -> int:
+    """How many tokens from `start` a chunk of at most `n` feeds so that the next chunk does
+    not start inside an image (MAX's TextAndVisionContext forbids it): a chunk that would end
+    inside an image ends at its start instead. A chunk that starts at an image longer than
+    the budget takes the whole image, over the budget, rather than refusing the request: an
+    image of a real Idefics3 or Qwen2-VL prompt can be longer than the default budget, and a
+    vision step runs on the CPU, unsharded, with no buffer sized by the budget."""
+    end = start + n
+    if not isinstance(ctx, TextAndVisionContext) or end >= ctx.end_idx:
+        return n
+    aligned = ctx.compute_image_aligned_idx(end)
+    if aligned > start:
+        return aligned - start
+    return next(img.end_idx for img in ctx.images if img.start_idx <= end < img.end_idx) - start
 
 
 def new_request_for_worker(ctx: TextContext) -> NewRequest:

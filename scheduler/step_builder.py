@@ -16,7 +16,6 @@ def build_step_batch(
     block_tables: list[list[int]],
     new_requests: list[NewRequest],
     finished_request_ids: list[str],
-    admitted: frozenset[str] = frozenset(),
 ) -> StepBatch:
     """Each context feeds its next `num_new_tokens[i]` tokens; its active window is set to
     them (max.pipelines' `next_tokens`), and it samples only if that reaches its last token."""
@@ -28,8 +27,7 @@ def build_step_batch(
     images: list[StepImage] = []
     for i, (ctx, n) in enumerate(zip(contexts, num_new_tokens)):
         if isinstance(ctx, TextAndVisionContext):
-            images += images_to_encode(ctx, ctx.start_idx, ctx.start_idx + n,
-                                       ctx.request_id in admitted)
+            images += images_to_encode(ctx, ctx.start_idx, ctx.start_idx + n)
         ctx.set_token_indices(active_idx=ctx.start_idx + n)
         chunks.append(ctx.next_tokens)
         query_lens[i] = n
@@ -56,13 +54,11 @@ def build_step_batch(
     )
 
 
-def images_to_encode(ctx: TextAndVisionContext, start: int, end: int,
-                     admitted: bool) -> list[StepImage]:
+def images_to_encode(ctx: TextAndVisionContext, start: int, end: int) -> list[StepImage]:
     """The images the worker must encode in this step, which feeds [start, end): those whose
-    first token is fed, and, on the request's first step since it was admitted (whose start
-    may be inside an image after a prefix-cache hit), every image it overlaps. A later chunk
-    that starts inside an image had the image sent by an earlier step of the same prefill."""
-    found = ctx.images_overlapping(start, end) if admitted else ctx.images_starting_in(start, end)
+    first token is fed. The scheduler cuts chunks so that none starts inside an image
+    (`image_aligned_chunk`), so each image is fed whole by the step that encodes it."""
+    found = ctx.images_starting_in(start, end)
     grids = ctx.extra_model_args.get("image_grid_thw")
     return [StepImage(ctx.request_id, i, img.start_idx, img.end_idx,
                       ctx.vision_token_mask(img), img.pixel_values,

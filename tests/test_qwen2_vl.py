@@ -5,7 +5,7 @@ machine), images resized to 4-16 merged patches by the real Qwen2-VL image proce
 
 Greedy output through the HTTP server and the openai client equals transformers' generate()
 token for token: one image, two images, and image requests batched with a text-only one, with
-16-token prefill chunks cutting the images; in process, preemption and prefix-cache hits too.
+a 16-token step budget shorter than the images (each fed whole, never from its middle); in process, preemption and prefix-cache hits too.
 The prompt's M-RoPE positions equal transformers' get_rope_index.
 """
 
@@ -242,7 +242,8 @@ def test_in_process_chunked_preempted_and_prefix_cached(tokenizer, runner, oracl
     contexts = [new_context(tokenizer, chat(list(names), text) if names else
                             [{"role": "user", "content": text}], f"r{i}")
                 for i, (names, text) in enumerate(cases)]
-    # 5-token chunks cut every image; 24 blocks of 4 tokens can't hold them all: preemption.
+    # 5-token steps, shorter than every image (fed whole, over the budget); 24 blocks of 4
+    # tokens can't hold them all: preemption.
     sched = run_in_process(runner, contexts, budget=5, num_blocks=24)
     for ctx, (names, text) in zip(contexts, cases):
         assert ctx.generated_tokens.tolist() == oracle(names, text)[0], names

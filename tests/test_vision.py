@@ -4,8 +4,8 @@ A tiny random Idefics3 (SigLIP 64 px tiles of 16 px patches, pixel shuffle 2, a 
 with the real SmolLM2 tokenizer plus SmolVLM's image tokens (tests/tiny_idefics3.py). Greedy
 output through the HTTP server and the official openai client equals transformers' generate()
 on the same weights and the same processor outputs, token for token: one image, two images, images in two turns, an
-image request batched with a text-only one, with prefill chunks (16 tokens) cutting the
-images; a follow-up turn finds its image's blocks in the prefix cache (loom's /metrics), and
+image request batched with a text-only one, with a 16-token step budget shorter than the
+images (no chunk starts inside one); a follow-up turn finds its image's blocks in the prefix cache (loom's /metrics), and
 the same follow-up with another image of the same size does not. In process, the
 scheduler and the model runner: preemption, prefix-cache hits and aborts, and the worker's
 image embeddings gone at the end. And every way an image part can be refused: a 400 naming it.
@@ -384,7 +384,16 @@ def test_context_crosses_the_wire(tokenizer):
     assert ctx.image_idx == 1 and ctx.next_images == ctx.images[1:]
 
 
-def run_in_process(runner, contexts, budget, num_blocks=None, abort_after=None):
+def chunk_starts_inside_an_image(step, contexts) -> list[str]:
+    """The requests whose chunk of this step starts strictly inside one of their images."""
+    by_id = {ctx.request_id: ctx for ctx in contexts}
+    starts = step.batch.seq_lens - step.batch.query_lens
+    return [rid for rid, start in zip(step.batch.request_ids, starts.tolist())
+            if isinstance(by_id[rid], TextAndVisionContext)
+            and any(img.start_idx < start < img.end_idx for img in by_id[rid].images)]
+
+
+def run_in_process(runner, contexts, budget, num_blocks=None, abort_after=None, steps_seen=None):
     blocks = BlockManager(num_blocks or runner.num_blocks, 4, True)
     sched = Scheduler(PipelineConfig().replace(max_batch_size=8, max_batch_input_tokens=budget,
                                       max_length=runner.max_model_len), blocks)
@@ -393,6 +402,10 @@ def run_in_process(runner, contexts, budget, num_blocks=None, abort_after=None):
     steps = 0
     while sched.has_work:
         step = sched.schedule()
+        assert chunk_starts_inside_an_image(step, contexts) == []  # as MAX requires
+        if steps_seen is not None:
+            steps_seen.append((step.batch.request_ids, step.batch.query_lens.tolist(),
+                               step.batch.seq_lens.tolist()))
         sched.update(step, runner.next_token(step.batch))
         steps += 1
         if steps == abort_after:
@@ -409,7 +422,8 @@ def test_in_process_chunked_preempted_and_prefix_cached(tokenizer, runner, oracl
     contexts = [new_context(tokenizer, chat(list(names), text) if names else
                             [{"role": "user", "content": text}], f"r{i}")
                 for i, (names, text) in enumerate(cases)]
-    # 5-token chunks cut every image; 24 blocks of 4 tokens can't hold all four: preemption.
+    # 5-token steps, shorter than every image (each is fed whole, over the budget); 24 blocks
+    # of 4 tokens can't hold all four: preemption.
     sched = run_in_process(runner, contexts, budget=5, num_blocks=24)
     for ctx, (names, text) in zip(contexts, cases):
         assert ctx.generated_tokens.tolist() == oracle(names, text)[0], names
@@ -418,11 +432,11 @@ def test_in_process_chunked_preempted_and_prefix_cached(tokenizer, runner, oracl
 
 
 def test_aborted_request_leaves_no_embeddings(tokenizer, runner):
-    # Aborted in the middle of its first image; the next step tells the worker.
+    # Aborted in the middle of its prefill, its first image fed; the next step tells the worker.
     contexts = [new_context(tokenizer, chat(["wide", "tall"]), "gone"),
                 new_context(tokenizer, [{"role": "user", "content": "Describe a cat."}], "cat")]
     run_in_process(runner, contexts, budget=8, abort_after=2)
-    assert contexts[0].start_idx < contexts[0].images[0].end_idx
+    assert contexts[0].images[0].end_idx <= contexts[0].start_idx < contexts[0].prompt_length
     assert len(runner.model.image_cache) == 0
 
 
@@ -508,35 +522,81 @@ def test_closing_a_thought_keeps_the_images(tokenizer):
     assert after.next_tokens.tolist() == after.all_tokens.tolist()  # all still to be fed
 
 
-def test_a_prefix_hit_inside_an_image_sends_the_image_again():
-    """A hit may end inside an image (another request's prefill stopped there: here it was
-    cancelled); the first step after it sends the image to the worker again."""
+def test_an_image_straddling_the_budget_is_fed_whole_and_exact(tokenizer, runner, oracle):
+    """Issue 27: no prefill chunk starts inside an image (MAX's TextAndVisionContext forbids
+    it). A budget that would cut the image ends the chunk before at the image's start, and the
+    image, longer than the budget, is fed whole in the next step; the greedy output equals
+    transformers' (the unsplit prompt)."""
+    ctx = new_context(tokenizer, chat(["wide"]), "straddle")
+    img = ctx.images[0]
+    budget = img.start_idx + 3  # the first chunk would end 3 tokens into the image
+    assert img.end_idx - img.start_idx > budget
+    steps = []
+    run_in_process(runner, [ctx], budget=budget, steps_seen=steps)
+    assert ctx.generated_tokens.tolist() == oracle(("wide",), TEXT)[0]
+    assert (steps[0][1], steps[0][2]) == ([img.start_idx], [img.start_idx])  # ends early
+    assert (steps[1][1], steps[1][2]) == ([img.end_idx - img.start_idx], [img.end_idx])
+
+
+def test_a_prefix_hit_ending_inside_an_image_is_cut_back_to_it():
+    """A follow-up with the same image but other text after it finds the blocks up to the one
+    the image's last token shares with the new text: that hit ends inside the image, so it is
+    cut back to the block holding the image's first token, and the image is sent again and
+    fed whole (over the budget) rather than from the middle."""
     from serialization.messages import StepResult
 
-    def ctx(request_id):
+    def ctx(request_id, after):
         pixels = np.ones((1, 3, 64, 64), np.float32)
-        tokens = np.array([1, 2, 3, 9, 9, 9, 9, 9, 9, 4, 5, 6, 7])  # image run [3, 9)
+        tokens = np.array([1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 9, after, 5, 6, 7])  # image [5, 11)
         return TextAndVisionContext(request_id=request_id, max_length=20, tokens=tokens,
                                     vision_token_ids=[9], images=[
-                                        ImageMetadata(start_idx=3, end_idx=9,
+                                        ImageMetadata(start_idx=5, end_idx=11,
                                                       pixel_values=pixels)])
 
     blocks = BlockManager(32, 4, True)
-    sched = Scheduler(PipelineConfig().replace(max_length=8192, max_batch_input_tokens=6), blocks)
-    sched.add_request(ctx("a"))
-    step = sched.schedule()  # a's tokens [0, 6): its image starts, and is sent
-    assert [(i.request_id, i.start_idx) for i in step.batch.images] == [("a", 3)]
-    assert step.batch.images[0].token_mask.tolist() == [True] * 6
+    sched = Scheduler(PipelineConfig().replace(max_length=8192, max_batch_input_tokens=16), blocks)
+    sched.add_request(ctx("a", 4))
+    step = sched.schedule()  # a's whole prompt: blocks [0, 4), [4, 8), [8, 12) cached
     sched.update(step, StepResult(step_id=step.batch.step_id,
-                                  sampled_token_ids=np.full(1, -1, np.int32)))
-    sched.abort("a")  # (its full block [0, 4) stays cached: it ends inside the image)
+                                  sampled_token_ids=np.full(1, 0, np.int32)))
+    sched.abort("a")
     sched = Scheduler(PipelineConfig().replace(max_length=8192, max_batch_input_tokens=3), blocks)
-    sched.add_request(ctx("b"))
-    step = sched.schedule()  # b: the hit [0, 4), then [4, 7): the image is sent again
-    assert (step.batch.seq_lens[0], step.batch.query_lens[0]) == (7, 3)
-    assert [(i.request_id, i.start_idx) for i in step.batch.images] == [("b", 3)]
+    sched.add_request(ctx("b", 8))  # its block [8, 12) differs: the hit is [0, 8)
+    chunks = []
+    while sched.has_work and len(chunks) < 4:
+        step = sched.schedule()
+        start = int(step.batch.seq_lens[0] - step.batch.query_lens[0])
+        chunks.append((start, int(step.batch.seq_lens[0]),
+                       [i.start_idx for i in step.batch.images]))
+        sched.update(step, StepResult(step_id=step.batch.step_id,
+                                      sampled_token_ids=np.full(1, 0, np.int32)))
+    # The hit cut back to [0, 4); [4, 7) would end inside the image: [4, 5); then the image.
+    assert chunks[:3] == [(4, 5, []), (5, 11, [5]), (11, 14, [])]
+
+
+def test_a_cut_back_hit_is_cut_again_if_it_lands_in_an_earlier_image():
+    """Cut back to the block holding the last image's start, the hit may end inside the image
+    before it (found by the n=8 choices of test_vision_apis): cut back to that one's too."""
+    from serialization.messages import StepResult
+
+    def ctx(request_id, after):
+        pixels = np.ones((1, 3, 64, 64), np.float32)
+        tokens = np.array([1, 9, 9, 9, 9, 9, 2, 9, 9, 9, 9, after, 5, 6])  # [1, 6), [7, 11)
+        return TextAndVisionContext(request_id=request_id, max_length=20, tokens=tokens,
+                                    vision_token_ids=[9], images=[
+                                        ImageMetadata(start_idx=1, end_idx=6, pixel_values=pixels),
+                                        ImageMetadata(start_idx=7, end_idx=11,
+                                                      pixel_values=pixels)])
+
+    blocks = BlockManager(32, 4, True)
+    sched = Scheduler(PipelineConfig().replace(max_length=8192, max_batch_input_tokens=16), blocks)
+    sched.add_request(ctx("a", 4))
+    step = sched.schedule()
     sched.update(step, StepResult(step_id=step.batch.step_id,
-                                  sampled_token_ids=np.full(1, -1, np.int32)))
-    step = sched.schedule()  # [7, 10) starts inside the image too: the worker has it
-    assert (step.batch.seq_lens[0], step.batch.query_lens[0]) == (10, 3)
-    assert step.batch.images == []
+                                  sampled_token_ids=np.full(1, 0, np.int32)))
+    sched.abort("a")
+    sched.add_request(ctx("b", 8))  # hit [0, 8) ends in image 2; [0, 4) would in image 1
+    step = sched.schedule()
+    assert (int(step.batch.seq_lens[0] - step.batch.query_lens[0]), int(step.batch.seq_lens[0])) \
+        == (0, 14)
+    assert [i.start_idx for i in step.batch.images] == [1, 7]
