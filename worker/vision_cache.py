@@ -1,8 +1,9 @@
 """The image embeddings a vision model keeps between the steps of a chunked prefill.
 
 An image is encoded in the step that feeds its first token (the scheduler sends its pixels
-then, `StepImage`); a prefill chunk may end inside the image, so its embeddings are kept here,
-per request, until the step that feeds its last token has merged them. Then they are dropped,
+then, `StepImage`; no chunk starts inside an image, so that step feeds all of it); its
+embeddings are kept here, per request, until the step that feeds its last token has merged
+them. Then they are dropped,
 and a finished or aborted request's are dropped when the runner releases it: nothing outlives
 its request. A preempted request's prompt is recomputed from the start: its images are sent
 and encoded again, replacing what is kept.
