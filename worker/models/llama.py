@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig
-from worker import gpu_layer_ops, layer_ops
+from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, store_kv
 from worker.pipeline_model import PagedCausalLM
 from worker.tensor_parallel import all_reduce
@@ -83,8 +83,13 @@ def _fused_ops(x: torch.Tensor):
     GPU in any dtype (gpu_layer_ops), else None (PyTorch's ops)."""
     if layer_ops.applies(x):
         return layer_ops
-    if gpu_layer_ops.applies(x):
-        return gpu_layer_ops
+    if x.is_cuda:
+        # (Imported here: its kernels are defined when imported, and on a CPU the tests
+        # define them under Triton's interpreter, which it reads at that moment.)
+        from worker import gpu_layer_ops
+
+        if gpu_layer_ops.applies(x):
+            return gpu_layer_ops
     return None
 
 
