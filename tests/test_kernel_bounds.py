@@ -19,6 +19,7 @@ from scheduler.scheduler import Scheduler
 from serialization.messages import StepBatch, StepResult
 from tests.helpers import ROOT
 from worker.model_runner import ModelRunner
+from worker.pipeline import ScheduledSteps, TextGenerationPipeline
 from worker.process import answer_step
 
 BLOCK = 16  # the native prefill kernel's block size, so both attention kernels run
@@ -28,6 +29,11 @@ BLOCK = 16  # the native prefill kernel's block size, so both attention kernels 
 def runner(tiny_model_dir):
     return ModelRunner(PipelineConfig.for_model(tiny_model_dir, kv_cache_page_size=BLOCK,
                                                 kv_cache_memory=4 << 20))
+
+
+def worker_pipeline(runner) -> TextGenerationPipeline:
+    """What the worker process runs the steps through (its own contexts, none yet)."""
+    return TextGenerationPipeline(runner, ScheduledSteps(runner.max_model_len))
 
 
 def new_scheduler(runner) -> Scheduler:
@@ -107,7 +113,7 @@ def test_a_corrupted_step_raises_a_value_error(runner, steps, kind, corrupt):
     bad = corrupt(steps[kind], runner)
     with pytest.raises(ValueError, match=f"step {bad.step_id}"):
         runner.next_token(bad)
-    result = answer_step(runner, None, bad, started=0.0)
+    result = answer_step(worker_pipeline(runner), None, bad, started=0.0)
     assert isinstance(result, StepResult) and result.error.startswith("ValueError")
     assert (result.sampled_token_ids == -1).all()
 
@@ -117,13 +123,15 @@ def generate(runner, corrupt=None) -> tuple[list[list[int]], int, int]:
     first sent corrupted (a scheduler bug), and must be answered with an error."""
     sched = new_scheduler(runner)
     ctxs = add_prompts(sched, seed=2)
+    pipeline = worker_pipeline(runner)
     errors = steps = 0
     while sched.has_work:
         step = sched.schedule()
         steps += 1
         if corrupt is not None:
-            errors += answer_step(runner, None, corrupt(step.batch, runner), 0.0).error is not None
-        result = answer_step(runner, None, step.batch, 0.0)
+            bad = corrupt(step.batch, runner)
+            errors += answer_step(pipeline, None, bad, 0.0).error is not None
+        result = answer_step(pipeline, None, step.batch, 0.0)
         assert result.error is None
         sched.update(step, result)
     return [c.generated_tokens.tolist() for c in ctxs], errors, steps

@@ -210,11 +210,17 @@ def _ready_message(runner, task: PipelineTask) -> WorkerReady:
 def _text_step(pipeline, speech, msg: StepBatch) -> StepResult:
     """The step's contexts run through `TextGenerationPipeline.next_token` (each updated
     with its token); the packed result is what goes back to the scheduler."""
-    steps = pipeline.steps
+    steps, runner = pipeline.steps, pipeline.runner
     for request_id in msg.finished_request_ids:
         ctx = steps.contexts.get(request_id)
         if ctx is not None:
             pipeline.release(ctx)
+    # (Checked before the step's tokens are written into the contexts: a corrupted step is
+    # refused whole and leaves every running request as it was.)
+    from worker.model_runner import check_step
+
+    check_step(msg, runner.num_blocks, runner.block_size, runner.max_model_len,
+               runner.config.vocab_size)
     pipeline.next_token(steps.receive(msg))
     return pipeline.last_result
 
