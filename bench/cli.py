@@ -23,6 +23,8 @@ def build_parser(sub) -> argparse.ArgumentParser:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     b.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    b.add_argument("--api-key", default=None,
+                   help="the server's --api-key (default: $OPENAI_API_KEY)")
     b.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
     b.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32],
@@ -47,6 +49,9 @@ def main(args) -> int:
         print("loom bench: error: needs httpx (pip install 'loom-serve[bench]')", file=sys.stderr)
         return 1
     from bench.endpoint import NotLoopbackError, loopback_base_url, served_model
+
+    if args.api_key:  # (read by every request the harness makes: bench/endpoint.py)
+        os.environ["OPENAI_API_KEY"] = args.api_key
 
     if min(args.concurrency) < 1 or args.prompt_len < 1 or args.output_len < 1:
         print("loom bench: error: --concurrency, --prompt-len and --output-len must be positive",

@@ -7,6 +7,7 @@ would be a load attack, so anything but a loopback address is refused outright.
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import time
 from urllib.parse import urlsplit, urlunsplit
@@ -37,6 +38,13 @@ def loopback_base_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, "", "", ""))
 
 
+def auth_headers() -> dict[str, str]:
+    """The bearer key for a server started with --api-key: $OPENAI_API_KEY, as the OpenAI
+    clients read it (`loom bench --api-key` sets it). Empty when none is set."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def http_client(**kwargs) -> httpx.AsyncClient:
     # trust_env=False: an HTTP(S)_PROXY in the environment must not reroute loopback traffic.
     # TCP_NODELAY: httpx writes a request's headers and body separately; with Nagle's
@@ -44,6 +52,7 @@ def http_client(**kwargs) -> httpx.AsyncClient:
     # would be charged to the server's TTFT.
     transport = httpx.AsyncHTTPTransport(
         socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    kwargs["headers"] = {**auth_headers(), **kwargs.get("headers", {})}
     return httpx.AsyncClient(trust_env=False, transport=transport, **kwargs)
 
 
@@ -65,8 +74,11 @@ def wait_healthy(base_url: str, timeout: float, alive=lambda: True, interval: fl
 
 def served_model(base_url: str) -> str:
     """The first model id of GET /v1/models, for when --model is not given."""
-    with httpx.Client(trust_env=False, timeout=10.0) as client:
+    with httpx.Client(trust_env=False, timeout=10.0, headers=auth_headers()) as client:
         response = client.get(f"{base_url}/v1/models")
+        if response.status_code == 401:
+            raise RuntimeError(f"{base_url} asks for an API key: pass --api-key or set "
+                               f"$OPENAI_API_KEY")
         response.raise_for_status()
         models = response.json().get("data") or []
     if not models:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
+from bench.endpoint import auth_headers
+
 
 class HTTPStreamError(Exception):
     pass
@@ -27,6 +29,7 @@ class StreamingConnection:
         self.host = parts.hostname
         self.port = parts.port or 80
         self.host_header = parts.netloc
+        self.auth = "".join(f"{k}: {v}\r\n" for k, v in auth_headers().items())
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -49,7 +52,7 @@ class StreamingConnection:
                 import socket
 
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host_header}\r\n{self.auth}"
                 f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         self._writer.write(head + body)

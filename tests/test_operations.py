@@ -6,13 +6,15 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 import zmq
 
-from tests.helpers import pid_alive, start_server, wait_gone
+from tests.helpers import ROOT, pid_alive, start_server, wait_gone
 
 COMP = "/v1/completions"
 
@@ -292,7 +294,7 @@ def test_garbage_frames_on_every_socket_are_dropped(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_api_key(tiny_model_dir):
+def test_api_key(tiny_model_dir, tmp_path):
     srv = start_server(tiny_model_dir, "--api-key", "s3cret")
     try:
         assert httpx.get(srv.url + "/health").status_code == 200
@@ -320,5 +322,18 @@ def test_api_key(tiny_model_dir):
         page = httpx.get(srv.url + "/", auth=("me", "s3cret"))
         assert page.status_code == 200 and "<title>Loom chat</title>" in page.text
         assert httpx.get(srv.url + "/v1/models", auth=("", "s3cret")).status_code == 200
+        # `loom bench` sends the key it is given, and says so when it has none.
+        bench = [sys.executable, "-m", "api_server.cli", "bench", "--url", srv.url,
+                 "--prompt-len", "8", "--output-len", "4", "--concurrency", "1",
+                 "--out", str(tmp_path)]
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        env.pop("OPENAI_API_KEY", None)
+        refused = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and "--api-key" in refused.stderr, refused.stderr
+        ran = subprocess.run(bench + ["--api-key", "s3cret"], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert ran.returncode == 0, ran.stderr
+        (row,) = [line.split() for line in ran.stdout.splitlines() if line.startswith("loom")]
+        assert row[1] == "1" and int(row[-2]) >= 4 and row[-1] == "0", ran.stdout  # ok, failed
     finally:
         srv.stop()
