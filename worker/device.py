@@ -27,6 +27,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(name: str, rank: int) -> torch.device:
+    """The device of rank `rank` of a split model (`name` as in `resolve_device`): on GPUs,
+    rank r takes GPU r counted from the one asked for; CPU ranks share the CPU."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """The weights' dtype: as asked, else bfloat16 on a GPU and float32 on the CPU."""
     if name is None:

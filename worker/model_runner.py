@@ -27,7 +27,7 @@ from worker.cuda_graphs import GRAPH_SAFE_ARCHITECTURES, SINK_BLOCKS, DecodeGrap
 from worker.device import (
     dtype_name,
     place_on,
-    resolve_device,
+    rank_device,
     resolve_dtype,
 )
 from worker.fused_decode import FusedDecode
@@ -64,7 +64,7 @@ class ModelRunner:
         self.device_memory_utilization = kv.device_memory_utilization
         self.cuda_graphs = pipeline_config.device_config.cuda_graphs
         self.config = load_model_config(model_path)
-        self.device = _rank_device(resolve_device(pipeline_config.devices), rank)
+        self.device = rank_device(pipeline_config.devices, rank)
         self.dtype = resolve_dtype(model.dtype, self.device)
         self.quantization = _quantization_on(self.device, model.quantization_encoding)
         if self.device.type != "cpu" and self.config.vision is not None:
@@ -410,13 +410,6 @@ def _weights_name(quantization: str | None, dtype: torch.dtype) -> str:
     if quantization == "int8":
         return "int8 (Q8_0 blocks)"
     return dtype_name(dtype)
-
-
-def _rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r of a split model on GPUs takes GPU r (counted from the one asked for)."""
-    if device.type != "cuda" or rank == 0:
-        return device
-    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def _quantization_on(device: torch.device, quantization: str | None) -> str | None:

@@ -47,6 +47,35 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
     `cfg.device_config.tensor_parallel_size` workers holding one model
     (worker/tensor_parallel.py). Every rank runs every step; rank 0 alone answers the
     scheduler."""
+    _enter_worker_process(num_threads, log_level, placement)
+    zctx, steps, results = _connect(endpoints, rank)
+    try:
+        _join_ranks(cfg, endpoints, rank)
+        runner = _load_runner(cfg, rank)
+        speech = _load_speech(cfg, rank)
+    except Exception as exc:
+        _exit_failed(results, exc, rank, cfg.device_config.tensor_parallel_size)
+    if rank == 0:
+        from worker.kernels import startup_summary
+
+        logger.log(*startup_summary())  # (one line: which kernels run, or why PyTorch's does)
+    faulting = _warm_up(runner)
+    if cfg.device_config.tensor_parallel_size > 1:
+        from worker.tensor_parallel import barrier
+
+        barrier()  # every rank loaded: ready to run steps together
+    if rank == 0:
+        ready = _ready_message(runner, cfg.model_config.task, speech)
+        results.send(msgpack_numpy_encoder()(ready))
+    _serve_steps(steps, results if rank == 0 else None,
+                 _generator(runner, cfg.model_config.task), speech,
+                 _deferred_start_up(runner, faulting))
+    zctx.destroy(linger=0)
+
+
+def _enter_worker_process(num_threads: int, log_level: str,
+                          placement: CpuPlacement | None) -> None:
+    """The process's signals, logging, cores and threads, before anything loads a model."""
     die_with_parent()
     ignore_interrupts()
     setup_logging(log_level)
@@ -58,48 +87,57 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
     from worker.decode_attention import set_kernel_threads
 
     set_kernel_threads(num_threads)
+
+
+def _connect(endpoints: Endpoints, rank: int):
+    """This rank's sockets: its steps in, the results out."""
     with worker_threads(), short_time_slice():  # ZeroMQ starts its I/O thread with the first socket
         zctx = zmq.Context()
         steps = make_socket(zctx, zmq.PULL, endpoints.steps_of_rank(rank), bind=False,
                             max_message_bytes=MAX_MESSAGE_BYTES["steps"])
         results = make_socket(zctx, zmq.PUSH, endpoints.results, bind=False)
-    encode = msgpack_numpy_encoder()
-    decode = msgpack_numpy_decoder(StepMessage, copy=False)
+    return zctx, steps, results
 
-    speech = None
+
+def _exit_failed(results, exc: Exception, rank: int, size: int) -> None:
+    """A model that failed to load is reported to the user as one line by `loom serve`."""
+    logger.debug("model load failed", exc_info=True)
+    where = f" (worker rank {rank})" if size > 1 else ""
+    results.send(msgpack_numpy_encoder()(
+        WorkerFailed(message=f"{type(exc).__name__}: {exc}{where}")))
+    time.sleep(0.5)  # let the message leave before the process exits
+    sys.exit(1)
+
+
+def _join_ranks(cfg: PipelineConfig, endpoints: Endpoints, rank: int) -> None:
+    """A split model's ranks join their process group, each on its own device."""
     size = cfg.device_config.tensor_parallel_size
-    task = cfg.model_config.task
-    try:
-        if size > 1:
-            from worker.device import resolve_device
-            from worker.tensor_parallel import init_process_group
+    if size == 1:
+        return
+    from worker.device import rank_device
+    from worker.tensor_parallel import init_process_group
 
-            device = resolve_device(cfg.devices)
-            if device.type == "cuda":
-                device = torch.device("cuda", (device.index or 0) + rank)
-            init_process_group(rank, size, endpoints.rendezvous_file, device)
-            logger.info("worker rank %d of %d is pid %d", rank, size, os.getpid())
-        runner = _load_runner(cfg, rank)
-        if task is PipelineTask.TEXT_GENERATION and cfg.speech_config.enable_speech \
-                and rank == 0:
-            from worker.speech_runner import SpeechRunner
+    init_process_group(rank, size, endpoints.rendezvous_file, rank_device(cfg.devices, rank))
+    logger.info("worker rank %d of %d is pid %d", rank, size, os.getpid())
 
-            if SpeechRunner.available():
-                with worker_threads():  # onnxruntime's thread pool
-                    speech = SpeechRunner(noise=cfg.speech_config.speech_noise)
-    except Exception as exc:  # reported to the user as one line by `loom serve`
-        logger.debug("model load failed", exc_info=True)
-        where = f" (worker rank {rank})" if size > 1 else ""
-        results.send(encode(WorkerFailed(message=f"{type(exc).__name__}: {exc}{where}")))
-        time.sleep(0.5)  # let the message leave before the process exits
-        sys.exit(1)
-    from worker.kernels import startup_summary
 
-    if rank == 0:
-        logger.log(*startup_summary())  # (one line: which kernels run, or why PyTorch's does)
-    ready = _ready_message(runner, task)
-    if speech is not None:
-        ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
+def _load_speech(cfg: PipelineConfig, rank: int):
+    """The voice beside a text model (rank 0's alone), when asked for and installed."""
+    if cfg.model_config.task is not PipelineTask.TEXT_GENERATION or rank != 0 \
+            or not cfg.speech_config.enable_speech:
+        return None
+    from worker.speech_runner import SpeechRunner
+
+    if not SpeechRunner.available():
+        return None
+    with worker_threads():  # onnxruntime's thread pool
+        return SpeechRunner(noise=cfg.speech_config.speech_noise)
+
+
+def _warm_up(runner):
+    """The first KV cache page faults (the blocks the first requests get; at most
+    STARTUP_PREFAULT_SECONDS of them), then the start-up heap frozen. Returns the faults left
+    for idle moments."""
     from worker.kv_cache import KVCachePrefault  # (torch: imported in the worker only)
 
     cache = getattr(runner, "kv_cache", None)  # (a GPU's is allocated zeroed: nothing to fault)
@@ -107,24 +145,23 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
         else None
     faulting = _faulting_in(prefault)
     deadline = time.monotonic() + STARTUP_PREFAULT_SECONDS
-    for fault in faulting:  # the blocks the first requests get; the rest while idle
+    for fault in faulting:
         fault()
         if time.monotonic() >= deadline:
             break
     freeze_startup_heap()
-    if size > 1:
-        from worker.tensor_parallel import barrier
+    return faulting
 
-        barrier()  # every rank loaded: ready to run steps together
-    if rank == 0:
-        results.send(encode(ready))
 
-    generator = _generator(runner, task)
-    idle_tasks = _deferred_start_up(runner, faulting)
+def _serve_steps(steps, results, generator, speech, idle_tasks) -> None:
+    """Run each step received until Shutdown, answering on `results` (rank 0's; other ranks
+    run the text steps with it and answer nothing). Idle for a while, the worker does what
+    start-up left for later, a short call at a time, until a step comes. (Not at once: a
+    request arriving in a burst's gaps would wait for it.)"""
+    decode = msgpack_numpy_decoder(StepMessage, copy=False)
+    encode = msgpack_numpy_encoder()
     idle_task = next(idle_tasks, None)
     while True:
-        # Idle for a while: do what start-up left for later, a short call at a time, until a
-        # step comes. (Not at once: a request arriving in a burst's gaps would wait for it.)
         if idle_task is not None and not steps.poll(IDLE_MS):
             while idle_task is not None and not steps.poll(0):
                 idle_task()
@@ -135,12 +172,11 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
         if msg is None:
             continue
         if isinstance(msg, Shutdown):
-            break
-        if rank == 0:
+            return
+        if results is not None:
             results.send(encode(answer_step(generator, speech, msg, started)))
         elif isinstance(msg, StepBatch):  # (speech runs on rank 0 alone)
             answer_step(generator, speech, msg, started)
-    zctx.destroy(linger=0)
 
 
 def answer_step(runner, speech, msg, started: float):
@@ -199,12 +235,15 @@ def _generator(runner, task: PipelineTask):
     return TextGenerationPipeline(runner, ScheduledSteps(runner.max_model_len))
 
 
-def _ready_message(runner, task: PipelineTask) -> WorkerReady:
+def _ready_message(runner, task: PipelineTask, speech) -> WorkerReady:
     if task is PipelineTask.EMBEDDINGS_GENERATION:
         return WorkerReady(num_blocks=0, block_size=0, max_model_len=runner.max_model_len,
                            eos_token_ids=[], task=PipelineTask.EMBEDDINGS_GENERATION)
-    return WorkerReady(num_blocks=runner.num_blocks, block_size=runner.block_size,
-                       max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
+    ready = WorkerReady(num_blocks=runner.num_blocks, block_size=runner.block_size,
+                        max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
+    if speech is not None:
+        ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
+    return ready
 
 
 def _text_step(pipeline, speech, msg: StepBatch) -> StepResult:
