@@ -3,16 +3,19 @@ prepare_initial_token_inputs, then decode steps through prepare_next_token_input
 transformers' logits and greedy tokens on the same weights; log probabilities are the raw
 logits' log-softmax."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines.config import PipelineConfig
+from pipelines.pipeline import KVCacheMixin, ModelOutputs, PagedKVCacheManager, PipelineModel
 from serialization.messages import StepBatch
 from tests.helpers import make_tiny_checkpoint
 from worker.model_runner import ModelRunner
-from worker.pipeline_model import PipelineModel
 
 BLOCK = 4
 
@@ -60,10 +63,13 @@ def test_prefill_then_next_token_inputs_follow_transformers(model_and_oracle):
                 expected = hf(full).logits[0, -1]
                 torch.testing.assert_close(outputs.next_token_logits[i], expected,
                                            atol=2e-4, rtol=1e-4)
-            logprobs = model.compute_log_probabilities(inputs, outputs, tokens, [0, 3])
+            logprobs = model.compute_log_probabilities(inputs, outputs, tokens, [0, 3],
+                                                       [False, False])
             raw = torch.log_softmax(outputs.next_token_logits[1], dim=-1)
-            assert logprobs.token_logprobs[0] == pytest.approx(raw[tokens[1]].item(), abs=1e-5)
-            assert logprobs.top_token_ids[0].tolist() == raw.topk(3).indices.tolist()
+            assert logprobs[0] is None
+            [chosen] = logprobs[1].token_log_probabilities
+            assert chosen == pytest.approx(raw[tokens[1]].item(), abs=1e-5)
+            assert list(logprobs[1].top_log_probabilities[0]) == raw.topk(3).indices.tolist()
             inputs = model.prepare_next_token_inputs(tokens, inputs)
             outputs = model.execute(inputs)
     for p, g in zip(prompts, generated):
@@ -88,8 +94,6 @@ def test_kv_cache_sizing_is_the_mixins_one_path(model_and_oracle):
     """MAX's KVCacheMixin: the footprint is --kv-cache-memory's whole blocks, the estimate is
     in bytes (whole blocks of what it is given), and load_kv_manager allocates exactly that:
     what the runner holds."""
-    from worker.pipeline_model import KVCacheMixin
-
     runner, _, _ = model_and_oracle
     model = runner.model
     assert isinstance(model, KVCacheMixin)
@@ -98,5 +102,72 @@ def test_kv_cache_sizing_is_the_mixins_one_path(model_and_oracle):
     assert 8 << 20 >= available > (8 << 20) - model.kv_block_bytes and size == available
     assert model.estimate_kv_cache_size(available + model.kv_block_bytes - 1) == size
     assert size == runner.kv_cache.numel() * runner.kv_cache.element_size()
-    cache = model.load_kv_manager(torch.device("cpu"), size + model.kv_block_bytes - 1)
+    manager = model.load_kv_manager(torch.device("cpu"), size + model.kv_block_bytes - 1)
+    assert isinstance(manager, PagedKVCacheManager) and manager.page_size == BLOCK
+    cache = manager.cache
     assert cache.shape == runner.kv_cache.shape and cache.dtype == runner.kv_cache.dtype
+
+
+class OneAttentionLayer(PipelineModel):
+    """The smallest model written against the contract: each token's q/k/v looked up in
+    tables, one `attend`, its output as the logits."""
+
+    HEADS, KV_HEADS, DIM = 4, 2, 8
+
+    def __init__(self, pipeline_config, session, vocab: int = 50) -> None:
+        super().__init__(pipeline_config, session)
+        g = torch.Generator().manual_seed(0)
+        self.q = torch.randn(vocab, self.HEADS, self.DIM, generator=g)
+        self.k = torch.randn(vocab, self.KV_HEADS, self.DIM, generator=g)
+        self.v = torch.randn(vocab, self.KV_HEADS, self.DIM, generator=g)
+
+    def prepare_initial_token_inputs(self, context_batch, kv_cache_inputs=None,
+                                     return_n_logits=1):
+        ids = torch.from_numpy(np.concatenate([ctx.next_tokens for ctx in context_batch]))
+        return SimpleNamespace(ids=ids, kv_cache_inputs=kv_cache_inputs)
+
+    def prepare_next_token_inputs(self, next_tokens, prev_model_inputs):
+        raise NotImplementedError
+
+    def execute(self, model_inputs):
+        ids, kv = model_inputs.ids, model_inputs.kv_cache_inputs
+        out = kv.attend(0, self.q[ids], self.k[ids], self.v[ids]).flatten(1)
+        last = torch.from_numpy(np.cumsum(kv.query_lens) - 1)
+        return ModelOutputs(next_token_logits=out[last], logits=out)
+
+
+def test_attend_is_causal_attention_over_chunks_in_the_paged_cache():
+    """Two sequences fed in chunks of different sizes (then a decode token each), their
+    blocks scattered in the cache: each step's rows equal plain causal attention (SDPA, GQA)
+    over the whole sequence, and positions are each token's own."""
+    from pipelines.context import TextContext
+
+    m = OneAttentionLayer
+    model = m(PipelineConfig(), torch.device("cpu"))
+    cache = torch.zeros(1, 2, 12, BLOCK, m.KV_HEADS, m.DIM)
+    manager = PagedKVCacheManager(cache, BLOCK)
+    prompts = [np.arange(3, 14), np.array([7, 1, 9, 4, 4, 2])]
+    tables = np.array([[6, 0, 9, 1], [4, 11, -1, -1]], np.int32)
+    contexts = [TextContext(tokens=p, max_length=32) for p in prompts]
+    windows = [[(0, 5), (0, 4)], [(5, 11), (4, 6)]]  # prompt chunks, then one decode each
+    fed: list[list[torch.Tensor]] = [[], []]
+    for step in range(3):
+        if step < 2:
+            for ctx, (start, active) in zip(contexts, windows[step]):
+                ctx.set_token_indices(start_idx=start, active_idx=active)
+        else:
+            for ctx, token in zip(contexts, (21, 30)):
+                ctx.update(token)
+        kv = manager.fetch(contexts, tables)
+        want_positions = np.concatenate([np.arange(c.start_idx, c.active_idx) for c in contexts])
+        assert kv.positions.tolist() == want_positions.tolist()
+        outputs = model.execute(model.prepare_initial_token_inputs(contexts, kv))
+        rows = np.cumsum([0] + [c.active_idx - c.start_idx for c in contexts])
+        for i, ctx in enumerate(contexts):
+            fed[i].append(outputs.logits[rows[i] : rows[i + 1]])
+            ids = torch.from_numpy(ctx.tokens[: ctx.active_idx])
+            q, k, v = (t[ids].transpose(0, 1)[None] for t in (model.q, model.k, model.v))
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            want = want[0].transpose(0, 1).flatten(1)[ctx.start_idx : ctx.active_idx]
+            torch.testing.assert_close(fed[i][-1], want, atol=1e-5, rtol=1e-5)
+    assert [sum(len(r) for r in rows_) for rows_ in fed] == [12, 7]

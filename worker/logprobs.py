@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipelines.response import LogProbabilities
 from serialization.messages import PromptLogprobs, TokenLogprobs
 
 
@@ -30,6 +31,20 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> 
         top_values = torch.zeros((len(token_ids), 0))
     return TokenLogprobs(chosen.numpy().astype(np.float32), top_ids.numpy(),
                          top_values.numpy().astype(np.float32))
+
+
+def pack_logprobs(entries: list[LogProbabilities], width: int) -> TokenLogprobs:
+    """Sampled tokens' log probabilities (each entry's last token: the sampled one) in the
+    wire's packed arrays, `width` likeliest alternatives per row."""
+    chosen = np.array([lp.token_log_probabilities[-1] for lp in entries], np.float32)
+    ids = np.zeros((len(entries), width), np.int32)
+    values = np.zeros((len(entries), width), np.float32)
+    for row, lp in enumerate(entries):
+        top = sorted(lp.top_log_probabilities[-1].items(), key=lambda kv: -kv[1])[:width]
+        if len(top) < width:
+            raise ValueError(f"{len(top)} top log probabilities where {width} were asked")
+        ids[row], values[row] = zip(*top) if width else ((), ())
+    return TokenLogprobs(chosen, ids, values)
 
 
 @dataclass

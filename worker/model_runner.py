@@ -14,6 +14,13 @@ from pipelines.checkpoint.gguf_tokenizer import is_gguf
 from pipelines.checkpoint.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pipelines.config import PipelineConfig
 from pipelines.context import FUTURE_TOKEN
+from pipelines.pipeline import (
+    KVCacheParams,
+    ModelInputs,
+    ModelOutputs,
+    PipelineModel,
+)
+from pipelines.response import LogProbabilities
 from serialization.messages import (
     NewRequest,
     PromptLogprobs,
@@ -32,10 +39,9 @@ from worker.device import (
 )
 from worker.fused_decode import FusedDecode
 from worker.logits_processors import process_logits
-from worker.logprobs import plan_echo, resolve_echo
+from worker.logprobs import pack_logprobs, plan_echo, resolve_echo
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
-from worker.pipeline_model import KVCacheParams, ModelInputs, ModelOutputs, PipelineModel
 from worker.quant_linear import QuantLinear
 from worker.sampler import RequestSamplingState, describe, sample_isolated
 from worker.structured_output import GrammarCompiler
@@ -106,8 +112,9 @@ class ModelRunner:
             else None
         graphs = self._uses_cuda_graphs()
         # (With graphs, one block more than the scheduler knows of: padded rows write there.)
-        self.kv_cache = self.model.load_kv_manager(
+        self.kv_manager = self.model.load_kv_manager(
             self.device, (self.num_blocks + (SINK_BLOCKS if graphs else 0)) * per_block)
+        self.kv_cache = self.kv_manager.cache
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size,
@@ -297,30 +304,40 @@ class ModelRunner:
 
     def _logprobs(self, inputs: ModelInputs | None, outputs: ModelOutputs, tokens: torch.Tensor,
                   top_n: list[int], errors: dict[int, str]) -> TokenLogprobs | None:
-        """The sampled tokens' log probabilities for the rows that asked (`top_n`), all at
-        once; should that raise, row by row, a row that raises failing alone (its top_n
-        then 0)."""
+        """The sampled tokens' log probabilities for the rows that asked (`top_n`), by the
+        model's `compute_log_probabilities`, packed for the wire: every row that asks gets the
+        batch's widest top-n (the API process keeps each request's own). All at once; should
+        that raise, row by row, a row that raises failing alone (its top_n then 0)."""
+        width = max(top_n)
+        asked = [width if n else 0 for n in top_n]
         try:
-            return self.model.compute_log_probabilities(inputs, outputs, tokens, top_n)
+            return pack_logprobs(self._model_logprobs(inputs, outputs, tokens, asked), width)
         except Exception:
             pass
-        width = max(top_n)
         parts = []
-        for j, n in enumerate(top_n):
+        for j, n in enumerate(asked):
             if not n:
                 continue
-            alone = [0] * len(top_n)
+            alone = [0] * len(asked)
             alone[j] = width
             try:
-                parts.append(self.model.compute_log_probabilities(inputs, outputs, tokens,
-                                                                  alone))
+                parts += self._model_logprobs(inputs, outputs, tokens, alone)
             except Exception as exc:
                 errors[j] = f"log probabilities: {describe(exc)}"
                 top_n[j] = 0
-        if not parts:
-            return None
-        return TokenLogprobs(*(np.concatenate([getattr(p, name) for p in parts])
-                               for name in ("token_logprobs", "top_token_ids", "top_logprobs")))
+        return pack_logprobs(parts, width) if parts else None
+
+    def _model_logprobs(self, inputs: ModelInputs | None, outputs: ModelOutputs,
+                        tokens: torch.Tensor, top_n: list[int]) -> list[LogProbabilities]:
+        """The model's log probabilities of the rows that ask, in order."""
+        results = self.model.compute_log_probabilities(inputs, outputs, tokens, top_n,
+                                                       [False] * len(top_n))
+        if results is None or len(results) != len(top_n):
+            raise ValueError("compute_log_probabilities gave no entry for every row")
+        wanted = [results[j] for j, n in enumerate(top_n) if n]
+        if any(lp is None for lp in wanted):
+            raise ValueError("compute_log_probabilities gave None for a row that asked")
+        return wanted
 
     def _echo(self, plans: list, logits: torch.Tensor, states: list[RequestSamplingState],
               failed: dict[int, str]) -> list[PromptLogprobs]:

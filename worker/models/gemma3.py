@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig
+from pipelines.pipeline import PagedCausalLM
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, sliding_window_metadata, store_kv
 from worker.models.llama import (
@@ -38,7 +39,6 @@ from worker.models.llama import (
     apply_rotary,
     load_fused_hf_weights,
 )
-from worker.pipeline_model import PagedCausalLM
 from worker.tensor_parallel import all_reduce
 from worker.weights import empty_embedding
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig
+from pipelines.pipeline import PagedCausalLM
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, store_kv
-from worker.pipeline_model import PagedCausalLM
 from worker.tensor_parallel import all_reduce
 from worker.weights import empty_embedding
 

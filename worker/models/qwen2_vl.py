@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig, Qwen2VisionConfig
+from pipelines.pipeline import PagedModelInputs
 from serialization.messages import StepImage
 from worker.attention import AttentionMetadata
 from worker.models.llama import apply_rotary, load_fused_hf_weights
@@ -33,7 +34,6 @@ from worker.models.vision_language import (
     layer_norm,
 )
 from worker.mrope import MRopePositions, TokenRotary, mrope_tables, uniform
-from worker.pipeline_model import ModelInputs
 
 
 class PatchEmbed(nn.Module):
@@ -201,7 +201,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
                                               meta.slot_mapping, meta.groups)
         return out
 
-    def decode(self, hidden: torch.Tensor, m: ModelInputs) -> torch.Tensor:
+    def decode(self, hidden: torch.Tensor, m: PagedModelInputs) -> torch.Tensor:
         rotary = m.rotary if isinstance(m, MRopeModelInputs) else None
         return self.forward_embeddings(hidden, m.attention, m.kv_cache, m.logits_rows, rotary)
 

@@ -1,7 +1,7 @@
 """Which model class runs a checkpoint: Gemma 3's own, Idefics3's (SmolVLM) or Qwen2-VL's (a
 vision encoder on the Llama family's), or the Llama family's for the rest.
 
-All are `PipelineModel`s (worker/pipeline_model.py: the runner drives them through it), built
+All are `PipelineModel`s (pipelines/pipeline.py: the runner drives them through it), built
 with `(config, max_positions)`. For the loader they also offer `load_hf_weights(weights)`,
 `compute_dtype`, `compute_in_float32()`, `use_fast_weight_layout()` and a `fused_decode`
 attribute (None until the runner sets it; Gemma 3 never uses it).

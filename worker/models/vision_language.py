@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipelines.pipeline import ModelOutputs, PagedModelInputs
 from serialization.messages import StepImage
 from worker.models.llama import LlamaForCausalLM
-from worker.pipeline_model import ModelInputs, ModelOutputs
 from worker.sampler import describe
 from worker.vision_cache import VisionEmbeddingCache
 
@@ -40,7 +40,7 @@ def layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class VisionModelInputs(ModelInputs):
+class VisionModelInputs(PagedModelInputs):
     """A step's inputs with what the image merge needs: the sequences and the images sent."""
 
     request_ids: list[str] = field(default_factory=list)
@@ -60,7 +60,7 @@ class VisionLanguageModel(LlamaForCausalLM):
     def check_image(self, image: StepImage) -> None:
         raise NotImplementedError
 
-    def decode(self, hidden: torch.Tensor, m: ModelInputs) -> torch.Tensor:
+    def decode(self, hidden: torch.Tensor, m: PagedModelInputs) -> torch.Tensor:
         """The decoder over the step's embeddings (images merged in): the wanted logits."""
         return self.forward_embeddings(hidden, m.attention, m.kv_cache, m.logits_rows)
 

@@ -1,0 +1,395 @@
+"""MAX's `max.pipelines.pipeline`: the model contract. `PipelineModel` is what an architecture
+implements and the worker's ModelRunner drives; a user's own model (--custom-architectures)
+imports only from here. (Imports torch: `pipelines/__init__.py` does not import it, so the API
+process never pays for it.)
+
+- `PipelineModel(pipeline_config, session)`: the whole configuration and the torch device
+  standing in for MAX's InferenceSession.
+- `prepare_initial_token_inputs(context_batch, kv_cache_inputs, return_n_logits)`: the inputs
+  of one step, each TextContext feeding its window start_idx..active_idx (a prefill chunk, or
+  the one token to decode); `prepare_next_token_inputs(next_tokens, prev)`: the following
+  decode step of the same contexts, for multi-step generation.
+- `execute(inputs) -> ModelOutputs`: `next_token_logits`, one row per context (its last), and
+  `logits` of every row when asked (echo).
+- `compute_log_probabilities(...)`: per context, the sampled token's log probabilities and
+  top-n alternatives from the raw logits (and its window's with echo). A prompt's rows span
+  prefill chunks, so the runner carries prompt log probabilities across steps itself
+  (worker/logprobs.py).
+- `KVCacheMixin`, the one KV sizing path: `estimate_memory_footprint()` (the bytes this worker
+  has for its cache), `estimate_kv_cache_size(available_cache_memory)` (the bytes the paged
+  cache takes of them: whole blocks) and `load_kv_manager(session, available_cache_memory)`
+  (the `PagedKVCacheManager` on the session's device). The runner sets `kv_params` first.
+  The manager's `fetch(context_batch, block_tables)` gives the step's `KVCacheInputs`, whose
+  `attend(layer_idx, q, k, v)` is Loom's paged attention for a model's attention layers.
+- `release(request_id)`: a request finished; drop whatever the model keeps for it across
+  steps (a vision model's image embeddings). Most models keep nothing.
+
+Loom's decoder-only architectures share `PagedCausalLM` (worker/models/), whose decode steps
+run the fused native step or CUDA graphs inside the same contract.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from pipelines.checkpoint.gguf_file import dequantize, open_gguf
+from pipelines.checkpoint.gguf_tokenizer import is_gguf
+from pipelines.checkpoint.model_config import ModelConfig, load_model_config
+from pipelines.config import PipelineConfig
+from pipelines.context import TextContext
+from pipelines.response import LogProbabilities
+from pipelines.status import PipelineTask
+from serialization.messages import StepBatch
+from worker.attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    paged_attention,
+    store_kv,
+)
+from worker.device import gpu_kv_cache_budget
+from worker.kv_cache import allocate_kv_cache, bytes_per_block, estimate_kv_cache_size
+from worker.logprobs import token_logprobs
+from worker.weights import load_checkpoint_weights
+
+__all__ = [
+    "KVCacheInputs",
+    "KVCacheMixin",
+    "ModelInputs",
+    "ModelOutputs",
+    "PagedKVCacheManager",
+    "PipelineModel",
+    "SupportedArchitecture",
+    "hf_config",
+    "load_weights",
+]
+
+
+class ModelInputs:
+    """What `prepare_*_token_inputs` give `execute` (MAX's ModelInputs): a model's own fields,
+    and the KV cache inputs of the batch when it has a cache. The default
+    `compute_log_probabilities` reads `kv_cache_inputs` for echo."""
+
+    kv_cache_inputs: KVCacheInputs | None = None
+
+
+@dataclass
+class KVCacheInputs:
+    """What the KV manager hands a model for one batch (MAX's kv_cache_inputs): the paged
+    cache and where each context's fed tokens go in it. `attend` is all a model's attention
+    layer needs: it stores the fed tokens' K/V and attends over each sequence's blocks."""
+
+    kv_cache: torch.Tensor  # [layers, 2, num_blocks, page_size, kv_heads, head_dim]
+    attention: AttentionMetadata  # built once per batch, shared by every layer
+    seq_lens: np.ndarray  # each context's length with the tokens fed now (its active_idx)
+    query_lens: np.ndarray  # the tokens fed now (its active_idx - start_idx)
+    block_tables: np.ndarray  # [contexts, blocks] the scheduler's, -1 padded
+    page_size: int
+    context_batch: Sequence[TextContext] = ()  # (the default echo log probabilities read them)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] int64: each fed token's position in its sequence."""
+        return self.attention.positions
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] of the fed tokens (rotary applied): stores k/v in
+        layer `layer_idx`'s cache and returns causal attention [T, H, D] of each query over
+        its sequence's cached and new tokens (grouped-query attention when KVH < H)."""
+        k_cache, v_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
+        store_kv(k, v, k_cache, v_cache, self.attention.slot_mapping)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return paged_attention(q, k, v, k_cache, v_cache, self.attention, scale)
+
+    def to(self, device: torch.device) -> KVCacheInputs:
+        """The attention metadata on the cache's device (built on the host)."""
+        if device.type == "cpu":
+            return self
+        return replace(self, attention=self.attention.to(device))
+
+
+@dataclass
+class PagedModelInputs(ModelInputs):
+    """Loom's built-in models' inputs: the flat token ids of the batch, its cache inputs, and
+    the rows whose logits are computed (the runner may narrow them: sampled ones first)."""
+
+    input_ids: torch.Tensor  # [T] int64, every fed token of every context in order
+    attention: AttentionMetadata
+    kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, KVH, D]
+    logits_rows: torch.Tensor  # rows of T whose logits are computed: sampled ones first
+    num_sampled: int  # how many of logits_rows are sampling sequences' last rows
+    # The step's paged layout, kept for `prepare_next_token_inputs`.
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    block_size: int
+
+    def to(self, device: torch.device) -> PagedModelInputs:
+        """The inputs on the model's device (the host arrays stay; nothing moves on a CPU)."""
+        if device.type == "cpu":
+            return self
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=True),
+                       attention=self.attention.to(device),
+                       logits_rows=self.logits_rows.to(device, non_blocking=True))
+
+
+class PagedKVCacheManager:
+    """The paged KV cache a model's `load_kv_manager` gives (MAX's KVCacheManager). Its blocks
+    are the scheduler's to hand out: `fetch` takes the block tables it chose."""
+
+    def __init__(self, cache: torch.Tensor, page_size: int) -> None:
+        self.cache = cache
+        self.page_size = page_size
+        self.num_blocks = cache.shape[2]
+
+    def fetch(self, context_batch: Sequence[TextContext],
+              block_tables: np.ndarray) -> KVCacheInputs:
+        """The batch's cache inputs: each context feeds its window start_idx..active_idx,
+        its sequence then active_idx long, over its row of `block_tables`."""
+        seq_lens = np.fromiter((ctx.active_idx for ctx in context_batch), np.int64,
+                               len(context_batch))
+        query_lens = seq_lens - np.fromiter((ctx.start_idx for ctx in context_batch),
+                                            np.int64, len(context_batch))
+        return self.inputs(seq_lens, query_lens, block_tables, context_batch)
+
+    def inputs(self, seq_lens: np.ndarray, query_lens: np.ndarray, block_tables: np.ndarray,
+               context_batch: Sequence[TextContext] = ()) -> KVCacheInputs:
+        """The cache inputs of windows given as lengths (what `fetch` reads off contexts)."""
+        meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.page_size)
+        return KVCacheInputs(self.cache, meta, seq_lens, query_lens, block_tables,
+                             self.page_size, context_batch).to(self.cache.device)
+
+
+@dataclass
+class ModelOutputs:
+    next_token_logits: torch.Tensor | None = None  # [contexts, V] float32: each one's last row
+    logits: torch.Tensor | None = None  # [T, V] float32: every row, when asked (echo)
+    # Requests whose inputs the model could not take (an image that failed to encode), with
+    # why: their rows' logits are meaningless and the runner fails them alone.
+    failed_requests: dict[str, str] = field(default_factory=dict)
+
+    def to_host(self) -> ModelOutputs:
+        """The logits on the CPU (sampling, grammars and log probabilities run there): in
+        one copy when next_token_logits are the first rows of logits (Loom's models)."""
+        first, every = self.next_token_logits, self.logits
+        if every is not None and every.device.type != "cpu":
+            shared = first is not None and first.data_ptr() == every.data_ptr()
+            every = every.cpu()
+            first = every[: len(first)] if shared else first
+        if first is not None and first.device.type != "cpu":
+            first = first.cpu()
+        return ModelOutputs(first, every, self.failed_requests)
+
+
+@dataclass(frozen=True)
+class SupportedArchitecture:
+    """A model class and the checkpoints it serves (MAX's SupportedArchitecture): those whose
+    config.json `architectures[0]` is `name`. A package lists its own in `ARCHITECTURES`."""
+
+    name: str
+    pipeline_model: type[PipelineModel]
+    task: PipelineTask = PipelineTask.TEXT_GENERATION
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights by their Hugging Face names (a GGUF file's widened to float32)."""
+    if is_gguf(path):
+        return {name: dequantize(t) for name, t in open_gguf(path).tensors.items()}
+    return load_checkpoint_weights(path)
+
+
+def hf_config(path: str) -> ModelConfig:
+    """A checkpoint's config.json (or GGUF header), as transformers' names."""
+    return load_model_config(path)
+
+
+def log_probabilities(logits: torch.Tensor, tokens: torch.Tensor,
+                      top_n: int) -> LogProbabilities:
+    """Each row's `tokens` log probability and its `top_n` likeliest tokens', from raw
+    logits [n, V]."""
+    lp = token_logprobs(logits, tokens, top_n)
+    return LogProbabilities(
+        lp.token_logprobs.tolist(),
+        [dict(zip(ids, values)) for ids, values in zip(lp.top_token_ids.tolist(),
+                                                       lp.top_logprobs.tolist())])
+
+
+@dataclass(frozen=True)
+class KVCacheParams:
+    """What sizes a model's paged KV cache (MAX's KVCacheParams): the settings and the values
+    the runner resolved."""
+
+    dtype: torch.dtype
+    page_size: int  # tokens per block
+    max_length: int  # the longest sequence
+    max_batch_size: int  # (caps the default CPU cache: that many full-length sequences)
+    max_batch_input_tokens: int  # (a GPU's profiling step)
+    memory: int | None  # --kv-cache-memory, the whole cache's; None: from the device
+    gpu_memory_utilization: float
+    shard: ModelConfig  # this rank's part of the checkpoint's config
+    whole: ModelConfig  # the checkpoint's (the ranks split its cache by heads)
+    largest_shard: ModelConfig  # rank 0's part, which holds the most heads
+
+
+class KVCacheMixin:
+    """MAX's KVCacheMixin over the paged cache of worker/kv_cache.py, on a model whose
+    `kv_params` and `session` (its torch device) are set."""
+
+    kv_params: KVCacheParams
+    session: torch.device
+
+    @property
+    def kv_block_bytes(self) -> int:
+        p = self.kv_params
+        return bytes_per_block(p.shard, p.dtype, p.page_size)
+
+    def estimate_memory_footprint(self) -> int:
+        """The bytes this worker has for its KV cache. On a GPU: --kv-cache-memory, or what
+        --gpu-memory-utilization leaves after the weights and a profiling forward. On the CPU:
+        --kv-cache-memory, or a share of the free RAM, at most what max_batch_size full-length
+        sequences need. Split over ranks, each holds its heads' part of the cache the whole
+        model would have, with the block count of the rank holding the most heads."""
+        p = self.kv_params
+        if self.session.type == "cuda" and p.memory is None:
+            return gpu_kv_cache_budget(self.session, p.gpu_memory_utilization,
+                                       self._profile_forward)
+        blocks = estimate_kv_cache_size(p.whole, p.dtype, p.page_size, p.max_length,
+                                        p.max_batch_size, p.memory)
+        if p.shard is p.whole:
+            return blocks * self.kv_block_bytes
+        return blocks * bytes_per_block(p.largest_shard, p.dtype, p.page_size)
+
+    def estimate_kv_cache_size(self, available_cache_memory: int) -> int:
+        """The bytes the paged cache takes of `available_cache_memory`: whole blocks."""
+        per_block = self.kv_block_bytes
+        return available_cache_memory // per_block * per_block
+
+    def load_kv_manager(self, session: torch.device,
+                        available_cache_memory: int) -> PagedKVCacheManager:
+        """The paged cache, as many blocks as `available_cache_memory` holds, on `session`
+        (the torch device standing in for MAX's InferenceSession)."""
+        p = self.kv_params
+        cache = allocate_kv_cache(p.shard, p.dtype,
+                                  self.estimate_kv_cache_size(available_cache_memory)
+                                  // self.kv_block_bytes, p.page_size, session)
+        return PagedKVCacheManager(cache, p.page_size)
+
+    def _profile_forward(self) -> None:
+        """The largest step's forward (a full max_batch_input_tokens chunk with logits for
+        max_batch_size rows), over a scratch cache, for its peak activation memory."""
+        p = self.kv_params
+        tokens = min(p.max_batch_input_tokens, p.max_length)
+        blocks = -(-tokens // p.page_size)
+        scratch = allocate_kv_cache(p.shard, p.dtype, blocks, p.page_size, self.session)
+        step = StepBatch(step_id=-1, request_ids=["profile"],
+                         input_ids=np.zeros(tokens, np.int32),
+                         query_lens=np.array([tokens], np.int32),
+                         seq_lens=np.array([tokens], np.int32),
+                         block_tables=np.arange(blocks, dtype=np.int32)[None, :],
+                         sample=np.array([True]))
+        rows = torch.arange(tokens - min(tokens, p.max_batch_size), tokens)
+        inputs = self.prepare_initial_token_inputs(
+            step, torch.zeros(tokens, dtype=torch.long), rows, len(rows), scratch,
+            p.page_size).to(self.session)
+        with torch.inference_mode():
+            self.execute(inputs)
+        del scratch
+
+
+class PipelineModel(KVCacheMixin, ABC):
+    """What the runner asks of an architecture (MAX's `PipelineModel`), built as
+    `cls(pipeline_config, session)`: the whole configuration, and the torch device standing
+    in for MAX's InferenceSession. The model reads its checkpoint from
+    `pipeline_config.model_config.model_path` (`load_weights`, `hf_config`)."""
+
+    # Whether `--tensor-parallel-size` may split it: its row-parallel projections all-reduce
+    # (worker/tensor_parallel.py). A property of the class, as MAX's architectures declare it.
+    supports_tensor_parallel: ClassVar[bool] = False
+
+    def __init__(self, pipeline_config: PipelineConfig, session: torch.device) -> None:
+        self.pipeline_config = pipeline_config
+        self.session = session
+
+    @abstractmethod
+    def prepare_initial_token_inputs(self, context_batch: Sequence[TextContext],
+                                     kv_cache_inputs: KVCacheInputs | None = None,
+                                     return_n_logits: int = 1) -> ModelInputs:
+        """The inputs of one step of `context_batch`, each context feeding its window
+        start_idx..active_idx. `return_n_logits`: 1, each context's last row
+        (`next_token_logits`); -1, every row too (`logits`, for echo); 0, none."""
+
+    @abstractmethod
+    def prepare_next_token_inputs(self, next_tokens: torch.Tensor,
+                                  prev_model_inputs: ModelInputs) -> ModelInputs:
+        """The following decode step of the same contexts: one new token each."""
+
+    @abstractmethod
+    def execute(self, model_inputs: ModelInputs) -> ModelOutputs: ...
+
+    def compute_log_probabilities(self, model_inputs: ModelInputs, model_outputs: ModelOutputs,
+                                  next_tokens: torch.Tensor, batch_top_n: list[int],
+                                  batch_echo: list[bool]) -> list[LogProbabilities | None] | None:
+        """Per context, the log probabilities of its sampled token (`next_tokens`) and its
+        `batch_top_n` likeliest alternatives, from the raw `next_token_logits`; with
+        `batch_echo`, first those of its window's tokens after the first, from `logits`
+        (each row predicts the next token). None where top_n is 0; None if all are."""
+        if not any(batch_top_n):
+            return None
+        logits = model_outputs.next_token_logits
+        kv = model_inputs.kv_cache_inputs if any(batch_echo) else None
+        if any(batch_echo) and (kv is None or model_outputs.logits is None):
+            raise ValueError("echo log probabilities need the model inputs' kv_cache_inputs "
+                             "and every row's logits (return_n_logits=-1)")
+        first_rows = np.cumsum(kv.query_lens) - kv.query_lens if kv is not None else None
+        results: list[LogProbabilities | None] = []
+        for i, (n, echo) in enumerate(zip(batch_top_n, batch_echo)):
+            if not n:
+                results.append(None)
+                continue
+            rows, tokens = logits[i : i + 1], next_tokens[i : i + 1]
+            if echo:
+                ctx, first = kv.context_batch[i], int(first_rows[i])
+                fed = torch.from_numpy(ctx.tokens[ctx.start_idx + 1 : ctx.active_idx])
+                rows = torch.cat([model_outputs.logits[first : first + len(fed)], rows])
+                tokens = torch.cat([fed.to(tokens.dtype), tokens])
+            results.append(log_probabilities(rows, tokens, n))
+        return results
+
+    def release(self, request_id: str) -> None:  # noqa: B027 (a hook: most models keep none)
+        """Forget per-request state kept across steps (none by default)."""
+
+
+class PagedCausalLM(PipelineModel):
+    """PipelineModel for a decoder-only module whose `forward(input_ids, meta, kv_cache,
+    logits_rows)` returns float32 logits of the wanted rows (Llama family, Gemma 3)."""
+
+    def prepare_initial_token_inputs(self, step, input_ids, logits_rows, num_sampled, kv_cache,
+                                     block_size):
+        meta = build_attention_metadata(step.query_lens, step.seq_lens, step.block_tables,
+                                        block_size)
+        return PagedModelInputs(input_ids, meta, kv_cache, logits_rows, num_sampled,
+                           step.seq_lens, step.block_tables, block_size)
+
+    def prepare_next_token_inputs(self, next_tokens, prev_model_inputs):
+        prev = prev_model_inputs
+        seq_lens = prev.seq_lens.astype(np.int64) + 1
+        tables = prev.block_tables
+        needed = -(-seq_lens // prev.block_size)
+        if (needed > tables.shape[1]).any() or (tables[np.arange(len(seq_lens)), needed - 1] < 0).any():
+            raise ValueError("a sequence's next token needs a KV block its table does not have")
+        n = len(seq_lens)
+        meta = build_attention_metadata(np.ones(n, dtype=np.int64), seq_lens, tables,
+                                        prev.block_size)
+        return PagedModelInputs(next_tokens.reshape(-1).long(), meta, prev.kv_cache,
+                           torch.arange(n), n, seq_lens, tables, prev.block_size)
+
+    def execute(self, model_inputs):
+        m = model_inputs
+        logits = self(m.input_ids, m.attention, m.kv_cache, m.logits_rows)
+        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=logits)
+
