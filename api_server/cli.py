@@ -41,6 +41,7 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         raise StartupError("--gpu-memory-utilization must be in (0, 1]")
     check_ranges(settings)
     check_kv_events(cfg.kv_cache_config)
+    check_custom_architectures(cfg.custom_architectures)
     model = cfg.model_config
     if not model.model_path:
         from pipelines.checkpoint.default_model import DEFAULT_MODEL_NAME, find_gguf
@@ -104,6 +105,17 @@ def resolve_media_path(path: str | None) -> str | None:
     if not os.path.isdir(path):
         raise StartupError(f"--allowed-local-media-path {path}: no such directory")
     return path
+
+
+def check_custom_architectures(specs: tuple[str, ...]) -> None:
+    """Their files or modules exist (the worker imports them: the user's code runs there)."""
+    from pipelines.custom_architectures import CustomArchitectureError, check_spec
+
+    for spec in specs:
+        try:
+            check_spec(spec)
+        except CustomArchitectureError as exc:
+            raise StartupError(str(exc)) from None
 
 
 def check_kv_events(kv_cache: KVCacheConfig) -> None:
@@ -209,7 +221,8 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
 
                 max_length = BertConfig.from_dir(path).max_seq_length
             else:
-                max_length = resolve_max_model_len(load_model_config(path), model.max_length)
+                config = load_model_config(path, any_architecture=bool(cfg.custom_architectures))
+                max_length = resolve_max_model_len(config, model.max_length)
         except (FileNotFoundError, UnsupportedModelError, ValueError, KeyError) as exc:
             raise StartupError(f"--model {path}: {exc}") from None
     budget = cfg.max_batch_input_tokens

@@ -218,7 +218,8 @@ class Launcher:
         if model.task is PipelineTask.EMBEDDINGS_GENERATION:
             embedding_dim, eos = BertConfig.from_dir(model.model_path).hidden_size, []
         else:
-            eos = load_model_config(model.model_path).eos_token_ids
+            eos = load_model_config(model.model_path,
+                                    bool(cfg.custom_architectures)).eos_token_ids
         max_model_len = model.max_length  # (resolved by the CLI)
         tokenizer = TextTokenizer(model.tokenizer or model.model_path, max_model_len, eos,
                                   server_cfg.media)

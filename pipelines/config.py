@@ -237,6 +237,12 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "off: in one step (the budget is raised to the context length)",
         negations=("--no-enable-chunked-prefill",))] = True
     max_embedding_batch_tokens: int = 8192  # padded tokens per embeddings forward
+    custom_architectures: Annotated[tuple[str, ...], Flag(
+        "your own PipelineModel subclasses, comma-separated: module:Class, path/to/file.py:Class, "
+        "or a package (directory or module) whose __init__ lists ARCHITECTURES; each serves "
+        "the checkpoints whose config.json names its architecture, before the built-in ones "
+        "(docs/architecture.md, Writing a model)", parse=parse_names,
+        metavar="SPEC[,SPEC]")] = ()
     devices: Annotated[str, Flag(
         "where the worker runs the model: cpu, cuda (cuda:N; MAX's gpu, gpu:N), or auto "
         "(CUDA when PyTorch sees a GPU). On a GPU a GGUF file is widened to bfloat16 (its "

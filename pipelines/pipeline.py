@@ -107,6 +107,20 @@ class KVCacheInputs:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return paged_attention(q, k, v, k_cache, v_cache, self.attention, scale)
 
+    def next_step(self) -> KVCacheInputs:
+        """The same contexts one token further, each feeding one (the token it sampled):
+        the cache inputs of `prepare_next_token_inputs`. Raises if a context's next token
+        needs a block its table does not have."""
+        seq_lens = self.seq_lens.astype(np.int64) + 1
+        needed = -(-seq_lens // self.page_size)
+        tables = self.block_tables
+        if (needed > tables.shape[1]).any() or (tables[np.arange(len(seq_lens)), needed - 1] < 0).any():
+            raise ValueError("a sequence's next token needs a KV block its table does not have")
+        ones = np.ones_like(seq_lens)
+        meta = build_attention_metadata(ones, seq_lens, tables, self.page_size)
+        return KVCacheInputs(self.kv_cache, meta, seq_lens, ones, tables,
+                             self.page_size).to(self.kv_cache.device)
+
     def to(self, device: torch.device) -> KVCacheInputs:
         """The attention metadata on the cache's device (built on the host)."""
         if device.type == "cpu":

@@ -14,6 +14,7 @@ from pipelines.checkpoint.gguf_tokenizer import is_gguf
 from pipelines.checkpoint.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pipelines.config import PipelineConfig
 from pipelines.context import FUTURE_TOKEN
+from pipelines.custom_architectures import load_architectures
 from pipelines.pipeline import (
     KVCacheParams,
     ModelInputs,
@@ -69,7 +70,9 @@ class ModelRunner:
         self.kv_cache_memory = kv.kv_cache_memory
         self.device_memory_utilization = kv.device_memory_utilization
         self.cuda_graphs = pipeline_config.device_config.cuda_graphs
-        self.config = load_model_config(model_path)
+        # (--custom-architectures: the user's classes, imported here; a bad one fails start-up.)
+        architectures = load_architectures(pipeline_config.custom_architectures)
+        self.config = load_model_config(model_path, any_architecture=bool(architectures))
         self.device = rank_device(pipeline_config.devices, rank)
         self.dtype = resolve_dtype(model.dtype, self.device)
         self.quantization = _quantization_on(self.device, model.quantization_encoding)
@@ -82,9 +85,13 @@ class ModelRunner:
                                         rank, self.config, self.quantization)
         if self.tp is not None:  # (a step's hidden state: at most a full chunk of tokens)
             use_shared_memory(self.max_batch_input_tokens * self.config.hidden_size)
-        self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
-                                                 model_path, self.quantization, self.tp,
-                                                 self.device)
+        cls = model_class(self.config, architectures)
+        if any(cls is arch.pipeline_model for arch in architectures):
+            self.model = _build_custom_model(cls, pipeline_config, self.device, self.quantization)
+        else:
+            self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
+                                                     model_path, self.quantization, self.tp,
+                                                     self.device)
         shard = self.tp.config(self.config) if self.tp else self.config
         self.model.session = self.device
         self.model.kv_params = KVCacheParams(
@@ -458,6 +465,16 @@ def _tensor_parallel_plan(size: int, rank: int, config: ModelConfig,
 # Whose layers call all_reduce after their row-parallel projections (vision encoders do not).
 TENSOR_PARALLEL_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+
+
+def _build_custom_model(cls: type, pipeline_config: PipelineConfig, device: torch.device,
+                        quantization: str | None) -> PipelineModel:
+    """A --custom-architectures class builds itself, its weights included (MAX's contract);
+    Loom's loading (quantized or packed layers, the fused decode) is for its own models."""
+    if quantization is not None:
+        raise ValueError(f"--quantization {quantization}: {cls.__name__} "
+                         f"(--custom-architectures) loads its own weights")
+    return cls(pipeline_config, device)
 
 
 def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, model_path: str,

@@ -151,8 +151,10 @@ def detect_task(model_dir: str) -> PipelineTask:
     return PipelineTask.TEXT_GENERATION
 
 
-def load_model_config(model_dir: str) -> ModelConfig:
-    """The config of a checkpoint directory, or of a GGUF file (from its header)."""
+def load_model_config(model_dir: str, any_architecture: bool = False) -> ModelConfig:
+    """The config of a checkpoint directory, or of a GGUF file (from its header).
+    `any_architecture`: one Loom does not know is read as a Llama-shaped decoder's (the
+    standard Hugging Face fields), for a --custom-architectures model to serve."""
     if model_dir.lower().endswith(".gguf"):
         from pipelines.checkpoint.gguf_file import open_gguf
 
@@ -162,13 +164,14 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
     with open(path) as f:
         raw = json.load(f)
-    return model_config_from_dict(raw, _generation_eos(model_dir))
+    return model_config_from_dict(raw, _generation_eos(model_dir), any_architecture)
 
 
-def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None) -> ModelConfig:
+def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None,
+                           any_architecture: bool = False) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else _architecture_from_model_type(raw.get("model_type", ""))
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES and not (any_architecture and arch):
         supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
         raise UnsupportedModelError(
             f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}"
@@ -179,7 +182,7 @@ def model_config_from_dict(raw: dict, generation_eos: list[int] | None = None) -
         return _idefics3_config(raw, generation_eos)
     if arch == "Qwen2VLForConditionalGeneration":
         return _qwen2_vl_config(raw, generation_eos)
-    traits = SUPPORTED_ARCHITECTURES[arch]
+    traits = SUPPORTED_ARCHITECTURES.get(arch, {})
     heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
     rope = raw.get("rope_parameters") or {}

@@ -1,5 +1,6 @@
 """Which model class runs a checkpoint: Gemma 3's own, Idefics3's (SmolVLM) or Qwen2-VL's (a
-vision encoder on the Llama family's), or the Llama family's for the rest.
+vision encoder on the Llama family's), or the Llama family's for the rest; a
+--custom-architectures class (pipelines/custom_architectures.py) before any of them.
 
 All are `PipelineModel`s (pipelines/pipeline.py: the runner drives them through it), built
 with `(config, max_positions)`. For the loader they also offer `load_hf_weights(weights)`,
@@ -14,11 +15,20 @@ from pipelines.checkpoint.model_config import (
     ModelConfig,
     UnsupportedModelError,
 )
+from pipelines.custom_architectures import find_architecture
 
 
-def model_class(config: ModelConfig) -> type:
+def model_class(config: ModelConfig, custom: list = ()) -> type:
+    """`custom`: the --custom-architectures' SupportedArchitectures, which come first (MAX's
+    rule)."""
+    arch = find_architecture(list(custom), config.architecture)
+    if arch is not None:
+        return arch.pipeline_model
     if config.architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"unsupported architecture {config.architecture!r}")
+        served = ", ".join(a.name for a in custom if a.name)
+        raise UnsupportedModelError(f"unsupported architecture {config.architecture!r}"
+                                    + (f" (--custom-architectures serve {served})"
+                                       if custom else ""))
     if config.architecture == "Gemma3ForCausalLM":
         from worker.models.gemma3 import Gemma3ForCausalLM
 
