@@ -7,10 +7,12 @@ import os
 import re
 import sys
 
+import msgspec
+
 import bench.cli as bench_cli
 from api_server import chat_cli
 from api_server.launcher import StartupError, serve
-from pipelines.config import KVCacheConfig, PipelineConfig
+from pipelines.config import KVCacheConfig, PipelineConfig, SamplingParamsDefaults
 from pipelines.flags import add_flags
 from pipelines.status import PipelineTask
 
@@ -40,6 +42,7 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     if not 0 < cfg.kv_cache_config.device_memory_utilization <= 1:
         raise StartupError("--gpu-memory-utilization must be in (0, 1]")
     check_ranges(settings)
+    check_sampling_defaults(cfg.model_config.sampling_params_defaults)
     check_kv_events(cfg.kv_cache_config)
     check_custom_architectures(cfg.custom_architectures)
     model = cfg.model_config
@@ -86,6 +89,17 @@ def check_ranges(settings: dict) -> None:
             raise StartupError(f"--{name.replace('_', '-')} must be positive")
     if settings.get("port", 0) < 0 or settings.get("max_images", 0) < 0:
         raise StartupError("--port and --limit-mm-per-prompt must be >= 0")
+
+
+def check_sampling_defaults(defaults: SamplingParamsDefaults) -> None:
+    """Within the bounds a request's own values have."""
+    from api_server.protocol import SamplingFields
+
+    try:
+        msgspec.convert(msgspec.structs.asdict(defaults), SamplingFields)
+    except msgspec.ValidationError as exc:
+        problem, _, where = str(exc).rpartition(" - at `$.")
+        raise StartupError(f"--{where.rstrip('`').replace('_', '-')}: {problem}") from None
 
 
 def check_tensor_parallel(size: int, task: PipelineTask) -> None:

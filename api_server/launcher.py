@@ -229,7 +229,8 @@ class Launcher:
         speech = SpeechRoute(engine, state, metrics)
         serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
                                  max_model_len, state, server_cfg, model.task, embedding_dim,
-                                 extra_model_cards=speech.model_cards)
+                                 extra_model_cards=speech.model_cards,
+                                 sampling_defaults=model.sampling_params_defaults)
         if server_cfg.trust_request_chat_template:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request

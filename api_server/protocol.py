@@ -75,8 +75,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)] | StopStrings | None = None
-    presence_penalty: Penalty | None = 0.0
-    frequency_penalty: Penalty | None = 0.0
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     seed: Seed | None = None
     user: str | None = None
     logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None

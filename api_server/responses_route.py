@@ -37,6 +37,7 @@ from api_server.responses_protocol import (
     sampling_of,
 )
 from api_server.serving_context import ServingContext, error_response, json_response
+from pipelines.config import SamplingParamsDefaults
 
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
@@ -63,7 +64,8 @@ class ResponsesRoute:
         except RequestError as exc:
             return error_response(exc)
         store = serving.responses_store_default if req.store is None else req.store
-        builder = _ResponseBuilder(serving.model_name, req, run, store)
+        builder = _ResponseBuilder(serving.model_name, req, run, store,
+                                   serving.sampling_defaults)
         if req.stream:
             return await serving.stream_events(self._events(run, builder, conversation),
                                               run.first)
@@ -183,8 +185,10 @@ class _ResponseBuilder:
     """The response object of one request, built up from the pipeline's deltas."""
 
     def __init__(self, model: str, req: ResponsesRequest, run: ChatRun,
-                 store: bool = False) -> None:
+                 store: bool = False,
+                 defaults: SamplingParamsDefaults = SamplingParamsDefaults()) -> None:
         self.model = model
+        self.defaults = defaults  # (what the response reports for values the request left out)
         self.req = req
         self.store = store
         self.id = f"resp_{run.request_id}"
@@ -298,11 +302,12 @@ class _ResponseBuilder:
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": reasoning.effort if reasoning else None, "summary": None},
             "store": self.store,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": self.defaults.temperature if req.temperature is None
+            else req.temperature,
             "text": describe_format(req),
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
-            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_p": self.defaults.top_p if req.top_p is None else req.top_p,
             "truncation": "disabled", "usage": usage, "user": req.user,
             "metadata": req.metadata or {},
         }

@@ -28,7 +28,7 @@ from api_server.server_state import ServerState
 from api_server.structured import schema_for_response_format
 from api_server.tokenizer import TextTokenizer
 from api_server.tool_parsers import resolve_tool_call_parser
-from pipelines.config import ServerConfig
+from pipelines.config import SamplingParamsDefaults, ServerConfig
 from pipelines.context import TextContext
 from pipelines.request import TokenGeneratorRequest
 from pipelines.sampling_params import SamplingParams, SamplingParamsError
@@ -53,8 +53,10 @@ class ServingContext:
                  server: ServerConfig = ServerConfig(),
                  task: PipelineTask = PipelineTask.TEXT_GENERATION,
                  embedding_dim: int | None = None,
-                 extra_model_cards: Callable[[int], list[dict]] = lambda created: []) -> None:
+                 extra_model_cards: Callable[[int], list[dict]] = lambda created: [],
+                 sampling_defaults: SamplingParamsDefaults = SamplingParamsDefaults()) -> None:
         self.engine = engine
+        self.sampling_defaults = sampling_defaults  # of what a request leaves out
         self.extra_model_cards = extra_model_cards  # other models served beside (the voices)
         self.task = task
         self.embedding_dim = embedding_dim
@@ -113,18 +115,20 @@ class ServingContext:
     # ---- the request's generation -----------------------------------------------------------
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, index: int,
                         ) -> SamplingParams:
-        temperature = 1.0 if req.temperature is None else req.temperature
+        d = self.sampling_defaults
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         check_top_k(req.top_k, self.tokenizer.vocab_size)
+        top_k = d.top_k if req.top_k is None else req.top_k
         try:
             return SamplingParams(
-                top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                min_p=req.min_p or 0.0,
-                temperature=temperature,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                presence_penalty=req.presence_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
+                # (A default past the vocabulary: the whole vocabulary.)
+                top_k=0 if top_k < 0 else min(top_k, self.tokenizer.vocab_size),
+                top_p=_given(req.top_p, d.top_p),
+                min_p=_given(req.min_p, d.min_p),
+                temperature=_given(req.temperature, d.temperature),
+                frequency_penalty=_given(req.frequency_penalty, d.frequency_penalty),
+                presence_penalty=_given(req.presence_penalty, d.presence_penalty),
+                repetition_penalty=_given(req.repetition_penalty, d.repetition_penalty),
                 max_new_tokens=max_tokens,
                 min_new_tokens=req.min_tokens,
                 ignore_eos=req.ignore_eos,
@@ -276,3 +280,8 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _given(value, default):
+    """A request's value, or the server's default where it leaves the value out."""
+    return default if value is None else value

@@ -42,6 +42,23 @@ def images_per_prompt(text: str) -> int:
     return limit
 
 
+class SamplingParamsDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampling parameters of requests that leave them out (MAX's
+    `model_config.sampling_params_defaults`; these are the server's, not read from the
+    model's generation_config.json). The API process applies them."""
+    temperature: Annotated[float, Flag(
+        "temperature of requests that leave it out (0: greedy)")] = 1.0
+    top_p: Annotated[float, Flag("top_p of requests that leave it out")] = 1.0
+    top_k: Annotated[int, Flag("top_k of requests that leave it out (0 or -1: off)")] = 0
+    min_p: Annotated[float, Flag("min_p of requests that leave it out")] = 0.0
+    repetition_penalty: Annotated[float, Flag(
+        "repetition_penalty of requests that leave it out (1: off)")] = 1.0
+    frequency_penalty: Annotated[float, Flag(
+        "frequency_penalty of requests that leave it out")] = 0.0
+    presence_penalty: Annotated[float, Flag(
+        "presence_penalty of requests that leave it out")] = 0.0
+
+
 class MAXModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_path: Annotated[str, Flag(
         "a GGUF file, served in its own quantized formats, or a Hugging Face checkpoint "
@@ -69,6 +86,8 @@ class MAXModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         "generate text, or serve /v1/embeddings; auto detects an encoder (BERT-style config, "
         "sentence-transformers files) as embed", parse=parse_task,
         metavar="{auto,generate,embed}")] = None  # None: auto
+    sampling_params_defaults: SamplingParamsDefaults = msgspec.field(
+        default_factory=SamplingParamsDefaults)
 
 
 class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):

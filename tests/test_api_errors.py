@@ -9,7 +9,9 @@ from tests.helpers import start_server
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = start_server(tiny_model_dir, "--max-model-len", "256", "--served-model-name", "tiny")
+    # (--temperature 0: requests that leave temperature out are greedy, test_sampling_defaults)
+    srv = start_server(tiny_model_dir, "--max-model-len", "256", "--served-model-name", "tiny",
+                       "--temperature", "0")
     yield srv
     assert srv.stop() == 0
 
@@ -84,3 +86,20 @@ def test_token_id_prompt_and_prompt_lists(server):
                                             "temperature": 0}).json()
     assert [c["index"] for c in r["choices"]] == [0, 1]
     assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_sampling_defaults_apply_where_a_request_leaves_the_value_out(server):
+    def text(**sampling):
+        body = {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, **sampling}
+        r = httpx.post(server.url + COMP, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    # --temperature 0 makes them greedy whatever their seed...
+    assert text(seed=1) == text(seed=2) == greedy
+    # ...and a request's own temperature still wins.
+    assert any(text(temperature=1.0, seed=seed) != greedy for seed in range(3))
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                                       "store": False}, timeout=30)
+    assert r.status_code == 200 and r.json()["temperature"] == 0.0

@@ -79,6 +79,12 @@ def test_max_and_vllm_spellings_land_on_the_same_setting(tiny_model_dir):
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=type(cfg)) == cfg
 
 
+def test_sampling_defaults_are_bounded_like_a_requests(tiny_model_dir):
+    r = run("serve", "--model", tiny_model_dir, "--top-p", "0", timeout=30)
+    assert r.returncode == 1 and r.stderr.startswith("loom: error: --top-p: Expected")
+    assert r.stderr.count("\n") == 1
+
+
 def test_network_facing_host_needs_an_api_key(tiny_model_dir):
     env = {k: v for k, v in ENV.items() if k != "LOOM_API_KEY"}
     started = time.monotonic()
