@@ -1,4 +1,5 @@
-"""Embeddings: the context of one input to embed, and the EmbeddingsGenerator interface."""
+"""Embeddings: the context of one input to embed as the API process sends it, and the
+EmbeddingsGenerator interface the embeddings worker runs over TextContexts (MAX's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
+
+from pipelines.context import TextContext
 
 
 class EmbeddingsContext(msgspec.Struct, tag=True, kw_only=True, eq=False):
@@ -29,4 +32,4 @@ class EmbeddingsResponse(msgspec.Struct):
 class EmbeddingsGenerator(Protocol):
     """What the embeddings worker runs (worker/embedding_runner.py)."""
 
-    def encode(self, batch: dict[str, EmbeddingsContext]) -> dict[str, EmbeddingsResponse]: ...
+    def encode(self, batch: dict[str, TextContext]) -> dict[str, EmbeddingsResponse]: ...

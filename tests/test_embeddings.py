@@ -113,19 +113,35 @@ def test_generation_server_refuses_embeddings(tiny_server):
 
 
 def test_the_runner_is_maxs_embeddings_generator():
-    """What the embeddings worker runs: `encode(batch of contexts) -> {id: EmbeddingsResponse}`,
-    the vectors of the oracle whatever the batch's order."""
-    from pipelines.embeddings import EmbeddingsContext, EmbeddingsGenerator, EmbeddingsResponse
+    """What the embeddings worker runs: `encode(batch of TextContexts) -> {id:
+    EmbeddingsResponse}`, the vectors of the oracle whatever the batch's order, through the
+    model's PipelineModel contract (an encoder: no KV cache to size or load)."""
+    from pipelines.config import PipelineConfig
+    from pipelines.context import TextContext
+    from pipelines.embeddings import EmbeddingsGenerator, EmbeddingsResponse
+    from pipelines.pipeline import PipelineModel
     from worker.embedding_runner import EmbeddingRunner
+    from worker.models.bert import BertPipelineModel
 
-    runner = EmbeddingRunner(MODEL_DIR)
+    runner = EmbeddingRunner(PipelineConfig.for_model(MODEL_DIR))
     assert isinstance(runner, EmbeddingsGenerator)
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    batch = {f"r{i}": EmbeddingsContext(tokens=np.array(tok.encode(t)), request_id=f"r{i}")
-             for i, t in enumerate(TEXTS)}
+    contexts = [TextContext(tokens=np.array(tok.encode(t)), max_length=512, request_id=f"r{i}")
+                for i, t in enumerate(TEXTS)]
+    batch = {ctx.request_id: ctx for ctx in reversed(contexts)}
     responses = runner.encode(batch)
     assert list(responses) == list(batch)
     want = oracle(TEXTS)
-    for i, response in enumerate(responses.values()):
+    for ctx in contexts:
+        response = responses[ctx.request_id]
         assert isinstance(response, EmbeddingsResponse)
-        np.testing.assert_allclose(response.embeddings, want[i], atol=1e-5)
+        np.testing.assert_allclose(response.embeddings, want[int(ctx.request_id[1:])],
+                                   atol=1e-5)
+
+    model = runner.model  # MAX's BERT PipelineModel: embeddings in `logits`
+    assert isinstance(model, BertPipelineModel) and isinstance(model, PipelineModel)
+    outputs = model.execute(model.prepare_initial_token_inputs(contexts[:2]))
+    np.testing.assert_allclose(outputs.logits.numpy(), want[:2], atol=1e-5)
+    assert model.estimate_memory_footprint() == model.estimate_kv_cache_size(1 << 30) == 0
+    with pytest.raises(ValueError, match="no KV cache"):
+        model.load_kv_manager(model.session, 1 << 30)

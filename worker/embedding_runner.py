@@ -1,62 +1,34 @@
-"""EmbeddingRunner: MAX's EmbeddingsGenerator (max.pipelines), on Loom's own BERT encoder.
+"""EmbeddingRunner: MAX's EmbeddingsGenerator (max.pipelines' EmbeddingsPipeline), running the
+embedding model through its `PipelineModel` contract (worker/models/bert.py).
 
 `encode(batch)` takes a batch of contexts (tokenized inputs) by request id and returns an
-EmbeddingsResponse per request id, computed in a single padded forward pass (inputs are sorted
-by length first so little is padding). The embeddings worker runs it on each EmbedStep.
+EmbeddingsResponse per request id, computed in one padded forward: the model's
+`prepare_initial_token_inputs(contexts)`, then `execute`, whose `logits` are the embeddings.
+The embeddings worker runs it on each EmbedStep.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-
-import numpy as np
 import torch
 
-from pipelines.checkpoint.bert_config import BertConfig
-from pipelines.embeddings import EmbeddingsContext, EmbeddingsResponse
-from worker.models.bert import BertEncoder
-from worker.weights import load_checkpoint_weights, materialize_on_cpu
-
-logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from pipelines.config import PipelineConfig
+from pipelines.context import TextContext
+from pipelines.embeddings import EmbeddingsResponse
+from worker.models.bert import BertPipelineModel
 
 
 class EmbeddingRunner:
-    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
-        started = time.monotonic()
-        self.config = BertConfig.from_dir(model_dir)
-        with torch.device("meta"):
-            model = BertEncoder(self.config)
-        materialize_on_cpu(model)
-        model.load_hf_weights(load_checkpoint_weights(model_dir))
-        self.model = model.to(DTYPES[dtype]).eval()
-        self.dim = self.config.hidden_size
-        logger.info("embedding model %s (%d dims, %s pooling) loaded in %.1fs", model_dir,
-                    self.dim, self.config.pooling, time.monotonic() - started)
+    def __init__(self, pipeline_config: PipelineConfig,
+                 session: torch.device = torch.device("cpu")) -> None:
+        self.model = BertPipelineModel(pipeline_config, session)
+        self.dim = self.model.config.hidden_size
 
     @property
     def max_model_len(self) -> int:
-        return self.config.max_seq_length
+        return self.model.config.max_seq_length
 
-    def encode(self, batch: dict[str, EmbeddingsContext]) -> dict[str, EmbeddingsResponse]:
+    def encode(self, batch: dict[str, TextContext]) -> dict[str, EmbeddingsResponse]:
         """A float32 [dim] vector per request id; one forward for the whole batch."""
-        ids = list(batch)
-        vectors = self.embed([batch[i].tokens for i in ids])
-        return {i: EmbeddingsResponse(v) for i, v in zip(ids, vectors)}
-
-    def embed(self, inputs: list[np.ndarray]) -> np.ndarray:
-        """float32 [len(inputs), dim]."""
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        longest = max(len(x) for x in inputs)
-        ids = torch.zeros((len(inputs), longest), dtype=torch.long)
-        lengths = torch.empty(len(inputs), dtype=torch.long)
-        for row, i in enumerate(order):
-            ids[row, : len(inputs[i])] = torch.from_numpy(inputs[i].astype(np.int64))
-            lengths[row] = len(inputs[i])
-        with torch.inference_mode():
-            pooled = self.model(ids, lengths).float().numpy()
-        out = np.empty_like(pooled)
-        out[order] = pooled
-        return out
+        inputs = self.model.prepare_initial_token_inputs(list(batch.values()))
+        vectors = self.model.execute(inputs).logits.cpu().numpy()
+        return {rid: EmbeddingsResponse(v) for rid, v in zip(batch, vectors)}

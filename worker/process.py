@@ -219,7 +219,7 @@ def _load_runner(cfg: PipelineConfig, rank: int):
     if model.task is PipelineTask.EMBEDDINGS_GENERATION:
         from worker.embedding_runner import EmbeddingRunner
 
-        return EmbeddingRunner(model.model_path, model.dtype or "float32")  # (on the CPU)
+        return EmbeddingRunner(cfg)  # (on the CPU)
     from worker.model_runner import ModelRunner
 
     return ModelRunner(cfg, rank)
@@ -268,10 +268,10 @@ def _embed_step(runner, speech, msg: EmbedStep) -> EmbedResult:
     """The step's inputs as contexts through `EmbeddingsGenerator.encode`, packed back."""
     import numpy as np
 
-    from pipelines.embeddings import EmbeddingsContext
+    from pipelines.context import TextContext
 
     inputs = np.split(msg.input_ids, np.cumsum(msg.lengths)[:-1])
-    batch = {rid: EmbeddingsContext(tokens=ids, request_id=rid)
+    batch = {rid: TextContext(tokens=ids, request_id=rid, max_length=len(ids))
              for rid, ids in zip(msg.request_ids, inputs)}
     if len(batch) != len(inputs):
         raise ValueError(f"step {msg.step_id}: request ids repeat or miss inputs")

@@ -1,20 +1,34 @@
-"""A BERT encoder (all-MiniLM, BGE, E5 and other sentence-transformers models) for embeddings.
+"""A BERT encoder (all-MiniLM, BGE, E5 and other sentence-transformers models) for embeddings,
+as MAX's BERT `PipelineModel`: `execute` returns each context's pooled (and, as the checkpoint
+says, normalized) embedding in `ModelOutputs.logits`.
 
 A batch is padded to its longest input and run in one forward; the attention mask keeps
 padding out of every sequence, and pooling (mean, CLS or max, as the checkpoint's
-sentence-transformers config says) happens here too.
+sentence-transformers config says) happens here too. An encoder keeps no KV cache: its
+KVCacheMixin methods size nothing (0 bytes, as MAX's encoders report) and it has no next
+token to prepare inputs for.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.bert_config import BertConfig
-from worker.weights import empty_embedding
+from pipelines.config import PipelineConfig
+from pipelines.context import TextContext
+from pipelines.pipeline import KVCacheInputs, ModelInputs, ModelOutputs, PipelineModel
+from worker.device import DTYPES
+from worker.weights import empty_embedding, load_checkpoint_weights, materialize_on_cpu
+
+logger = logging.getLogger(__name__)
 
 
 class BertLayer(nn.Module):
@@ -53,8 +67,8 @@ class BertEncoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """input_ids [B, L] (padded), lengths [B]; returns pooled embeddings [B, hidden]."""
         batch, length = input_ids.shape
-        valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
-        positions = torch.arange(length).unsqueeze(0)
+        positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
+        valid = positions < lengths.unsqueeze(1)  # [B, L]
         x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
         x = self.embed_norm(x)
         mask = valid[:, None, None, :]  # keys that exist
@@ -96,3 +110,62 @@ class BertEncoder(nn.Module):
                     layer.intermediate.__getattr__(part).copy_(take(f"{p}intermediate.dense.{part}"))
                     layer.output.__getattr__(part).copy_(take(f"{p}output.dense.{part}"))
                     layer.out_norm.__getattr__(part).copy_(take(f"{p}output.LayerNorm.{part}"))
+
+
+@dataclass
+class BertInputs(ModelInputs):
+    input_ids: torch.Tensor  # [B, L] int64, each context's tokens, padded to the longest
+    lengths: torch.Tensor  # [B] int64
+
+
+class BertPipelineModel(PipelineModel):
+    """The encoder behind /v1/embeddings, built as `cls(pipeline_config, session)` from the
+    checkpoint at `pipeline_config.model_config.model_path`."""
+
+    def __init__(self, pipeline_config: PipelineConfig, session: torch.device) -> None:
+        super().__init__(pipeline_config, session)
+        started = time.monotonic()
+        path = pipeline_config.model_config.model_path
+        self.config = BertConfig.from_dir(path)
+        with torch.device("meta"):
+            encoder = BertEncoder(self.config)
+        materialize_on_cpu(encoder)
+        encoder.load_hf_weights(load_checkpoint_weights(path))
+        dtype = DTYPES[pipeline_config.model_config.dtype or "float32"]
+        self.encoder = encoder.to(dtype).eval().to(session)
+        logger.info("embedding model %s (%d dims, %s pooling) loaded in %.1fs", path,
+                    self.config.hidden_size, self.config.pooling, time.monotonic() - started)
+
+    def prepare_initial_token_inputs(self, context_batch: Sequence[TextContext],
+                                     kv_cache_inputs: KVCacheInputs | None = None,
+                                     return_n_logits: int = 1) -> BertInputs:
+        """Each context's window (its whole input, for a new context), padded to the
+        longest."""
+        if kv_cache_inputs is not None:
+            raise ValueError("an encoder keeps no KV cache: pass no kv_cache_inputs")
+        windows = [ctx.next_tokens for ctx in context_batch]
+        ids = torch.zeros((len(windows), max(len(w) for w in windows)), dtype=torch.long)
+        for row, window in enumerate(windows):
+            ids[row, : len(window)] = torch.from_numpy(window)
+        lengths = torch.tensor([len(w) for w in windows], dtype=torch.long)
+        return BertInputs(input_ids=ids.to(self.session), lengths=lengths.to(self.session))
+
+    def prepare_next_token_inputs(self, next_tokens, prev_model_inputs):
+        raise NotImplementedError("an encoder embeds its inputs in one forward: it has no "
+                                  "next token")
+
+    def execute(self, model_inputs: BertInputs) -> ModelOutputs:
+        """`logits`: float32 [B, hidden], each context's embedding."""
+        with torch.inference_mode():
+            pooled = self.encoder(model_inputs.input_ids, model_inputs.lengths)
+        return ModelOutputs(logits=pooled.float())
+
+    # An encoder keeps no KV cache (MAX's encoders size theirs as 0 bytes).
+    def estimate_memory_footprint(self) -> int:
+        return 0
+
+    def estimate_kv_cache_size(self, available_cache_memory: int) -> int:
+        return 0
+
+    def load_kv_manager(self, session, available_cache_memory):
+        raise ValueError("an encoder keeps no KV cache: there is no KV manager to load")
