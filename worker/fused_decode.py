@@ -2,14 +2,18 @@
 bfloat16 weights with a bfloat16 KV cache, or GGUF-quantized weights), for a step of one-token
 sequences, in one native call (`worker/kernels/decoder.c` says why).
 
-Used by LlamaForCausalLM when every linear layer is packed or quantized (QuantLinear with its
-native kernel), the model has no q/k norms, and the step has no prefill chunk; everything else
-takes the Python path, which computes the same.
+One implementation for every architecture: a model describes its layers as `DecodeLayer`s
+(`fused_decode_layers()`: which norms a layer has and where, its rotary tables, its attention
+window) and its activation by its config's hidden_act. Used by LlamaForCausalLM (Llama,
+Mistral, Qwen2, Qwen3) and Gemma3ForCausalLM when every linear layer is packed or quantized
+(QuantLinear with its native kernel) and the step has no prefill chunk; everything else takes
+the Python path, which computes the same.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -31,16 +35,37 @@ _Projection._fields_ = [("kind", ctypes.c_int), ("w", _P), ("row_bytes", ctypes.
                         ("next", ctypes.POINTER(_Projection))]
 
 
+@dataclass
+class DecodeLayer:
+    """What a layer's step needs beside its projections: its norms as the float32 factors they
+    multiply by (Gemma's 1 + w; None where the layer has no such norm), the rotary tables it
+    rotates with, and the number of last tokens it attends to (0: all)."""
+
+    input_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    rotary: object  # worker.models.llama.RotaryEmbedding: float32 cos, sin [positions, D]
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    window: int = 0
+
+
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P)] + [
+    _fields_ = [(name, _P) for name in ("input_norm", "mlp_norm", "attn_out_norm",
+                                        "mlp_out_norm", "q_norm", "k_norm")] + [
         (name, _Projection) for name in ("qkv", "o", "gate_up", "down")] + [
-        ("k_cache", _P), ("v_cache", _P)]
+        ("k_cache", _P), ("v_cache", _P), ("cos_table", _P), ("sin_table", _P),
+        ("window", ctypes.c_int)]
 
 
 class _ModelDims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim",
-                                                   "intermediate", "block_size")] + [
+                                                   "intermediate", "block_size", "act")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # decoder.c's ACT_*
 
 
 _lib = load_kernel("decoder")
@@ -48,7 +73,7 @@ if _lib is not None:
     _lib.loom_decode_layers.restype = ctypes.c_int
     _lib.loom_decode_layers.argtypes = [
         ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), ctypes.c_int,
-        _P, _P, ctypes.c_int, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]
 
 
 class FusedDecode:
@@ -58,20 +83,23 @@ class FusedDecode:
         cfg = model.config
         attn = model.layers[0].self_attn
         self.dims = _ModelDims(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                               cfg.intermediate_size, 0, model.norm.eps, attn.scale)
+                               cfg.intermediate_size, 0, _ACTIVATIONS[cfg.hidden_act],
+                               model.norm.eps, attn.scale)
         self._layers = None
         self._cache_ptr = None
 
     @classmethod
     def for_model(cls, model) -> "FusedDecode | None":
         """None where the native path does not apply (the Python path is used)."""
-        if _lib is None or model.compute_dtype != torch.float32:
+        if (_lib is None or model.compute_dtype != torch.float32
+                or not hasattr(model, "fused_decode_layers")
+                or model.config.hidden_act not in _ACTIVATIONS):
             return None
         packed_dtypes = set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or not all(_native(m) for m in linears):
+            if not all(_native(m) for m in linears):
                 return None
             packed_dtypes.update(m.dtype for m in linears if isinstance(m, PackedLinear))
         # The kernel takes one cache dtype: bfloat16 where bfloat16 weights are packed.
@@ -95,12 +123,11 @@ class FusedDecode:
         group = meta.groups[0]
         tokens = x.shape[0]
         residual = torch.empty_like(x)
-        rotary = self.model.rotary
         rc = _lib.loom_decode_layers(
             layers, len(self.model.layers), ctypes.byref(self.dims),
             self.cache_dtype == torch.bfloat16, x.data_ptr(),
-            residual.data_ptr(), tokens, meta.positions.data_ptr(), rotary.cos.data_ptr(),
-            rotary.sin.data_ptr(), meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
+            residual.data_ptr(), tokens, meta.positions.data_ptr(),
+            meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
             group.seq_lens.data_ptr(), group.block_tables.shape[1])
         if rc != 0:
             raise MemoryError(f"the fused decode step failed ({rc}): scratch memory could not "
@@ -109,17 +136,29 @@ class FusedDecode:
 
     def _layer_weights(self, kv_cache: torch.Tensor):
         if self._cache_ptr != kv_cache.data_ptr():
+            specs = self.model.fused_decode_layers()
+            self._tensors = specs  # (the norms' factors must outlive the pointers to them)
             self._layers = (_LayerWeights * len(self.model.layers))()
-            for i, layer in enumerate(self.model.layers):
+            for i, (layer, spec) in enumerate(zip(self.model.layers, specs)):
                 attn, mlp = layer.self_attn, layer.mlp
+                norms = [_pointer(getattr(spec, name)) for name in (
+                    "input_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm",
+                    "k_norm")]
                 self._layers[i] = _LayerWeights(
-                    layer.input_layernorm.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    _projection(attn.qkv_proj), _projection(attn.o_proj),
+                    *norms, _projection(attn.qkv_proj), _projection(attn.o_proj),
                     _projection(mlp.gate_up_proj), _projection(mlp.down_proj),
-                    kv_cache[i, 0].data_ptr(), kv_cache[i, 1].data_ptr())
+                    kv_cache[i, 0].data_ptr(), kv_cache[i, 1].data_ptr(),
+                    spec.rotary.cos.data_ptr(), spec.rotary.sin.data_ptr(), spec.window)
             self._cache_ptr = kv_cache.data_ptr()
         return self._layers
+
+
+def _pointer(norm: torch.Tensor | None) -> int | None:
+    if norm is None:
+        return None
+    if norm.dtype != torch.float32 or not norm.is_contiguous():
+        raise TypeError("fused decode: norm factors must be contiguous float32")
+    return norm.data_ptr()
 
 
 def _native(module) -> bool:

@@ -1,5 +1,6 @@
-/* Every decoder layer of a Llama-family model (float32, bfloat16 or GGUF-quantized weights,
- * computing in float32) for one decode step, in one call.
+/* Every decoder layer of a model of the Llama family (Llama, Mistral, Qwen2, Qwen3) or Gemma 3
+ * (float32, bfloat16 or GGUF-quantized weights, computing in float32) for one decode step, in
+ * one call.
  *
  * A decode step of SmolLM2-135M is 30 layers x ~25 small operations; driven from Python each
  * costs a few microseconds of dispatch (ctypes argument conversion, tensor allocation, views),
@@ -7,11 +8,14 @@
  * same kernels (included below), in a C loop. Only steps whose sequences all feed one token
  * come here: prefill chunks, where the arithmetic dwarfs the dispatch, stay in Python.
  *
- * Per layer (as worker/models/llama.py does it):
- *   first layer: residual = x;  h = rmsnorm(x)       later: residual += h;  h = rmsnorm(residual)
- *   qkv = h Wqkv^T (+b); rotate q, k; store k, v in the cache; attend over the cache
- *   residual += attn Wo^T;  h = rmsnorm(residual);  h = down(silu(gate) * up)
- * The caller applies the final norm (residual += h; rmsnorm) to the rows it samples from.
+ * Per layer (as worker/models/llama.py and gemma3.py do it; [..]: where the layer has it):
+ *   first layer: residual = x;  h = rmsnorm(x)       later: residual += x;  h = rmsnorm(residual)
+ *   qkv = h Wqkv^T (+b); [q, k = rmsnorm per head (Qwen3, Gemma 3)]; rotate q, k with the
+ *   layer's tables; store k, v in the cache; attend over the cache [its last `window` tokens]
+ *   x = attn Wo^T; [x = rmsnorm(x) (Gemma 3)]; residual += x;  h = rmsnorm(residual)
+ *   x = down(act(gate) * up), act SiLU or GELU-tanh; [x = rmsnorm(x) (Gemma 3)]
+ * The caller applies the final norm (residual += x; rmsnorm) to the rows it samples from.
+ * Norm weights come as the factor they multiply by (Gemma's 1 + w formed by the caller).
  */
 #include "layer_ops.c"
 #include "paged_decode_attention.c"
@@ -35,18 +39,30 @@ typedef struct Projection {
     const struct Projection *next;
 } Projection;
 
-/* One layer's weights: projections, norms (float32), its KV cache (float32 or, in a bfloat16
- * model, bfloat16). */
+/* One layer's weights: projections, norms (float32; NULL: the layer has none there), its KV
+ * cache (float32 or, in a bfloat16 model, bfloat16), its rotary tables and window. */
 typedef struct {
-    const float *input_norm, *post_norm;
+    const float *input_norm, *mlp_norm;
+    const float *attn_out_norm, *mlp_out_norm; /* Gemma 3's post-attention / -feedforward */
+    const float *q_norm, *k_norm;              /* per head (Qwen3, Gemma 3) */
     Projection qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;              /* [num_blocks, block_size, kv_heads, head_dim] */
+    const float *cos_table, *sin_table;   /* [positions, head_dim] */
+    int window;                           /* attend to the last `window` tokens; 0: all */
 } LayerWeights;
 
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 typedef struct {
-    int hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int hidden, heads, kv_heads, head_dim, intermediate, block_size, act;
     float eps, scale;
 } ModelDims;
+
+/* x = rmsnorm(x) * w for one row, through `tmp` (norm_row's arguments must not alias). */
+static void norm_in_place(float *x, const float *w, float *tmp, int dim, float eps) {
+    norm_row(x, w, tmp, dim, eps);
+    memcpy(x, tmp, sizeof(float) * (size_t)dim);
+}
 
 /* y = x W^T (+ bias) by the team running the step (the kernels' _team forms: orphaned
  * worksharing that ends with the team's barrier). Quantized projections take the integer or
@@ -98,8 +114,8 @@ static int projection_ok(const Projection *p, int K) {
  * (or an attention or float32-path buffer could not). */
 int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDims *d, int bf16,
                        float *x, float *residual, int T, const int64_t *positions,
-                       const float *cos_table, const float *sin_table, const int64_t *slots,
-                       const int32_t *block_tables, const int32_t *seq_lens, int max_blocks) {
+                       const int64_t *slots, const int32_t *block_tables,
+                       const int32_t *seq_lens, int max_blocks) {
     const int hidden = d->hidden, inter = d->intermediate;
     const int q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     const int qkv_width = q_size + 2 * kv_size;
@@ -117,6 +133,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
     float *attn = malloc(sizeof(float) * (size_t)T * q_size);
     float *gate_up = malloc(sizeof(float) * (size_t)T * 2 * inter);
     float *act = malloc(sizeof(float) * (size_t)T * inter);
+    const int head_dim = d->head_dim;
     char *mem = ql_scratch_for(ql_acts_bytes(T, widest));
     int failed = 0;
     if (!h || !qkv || !q || !attn || !gate_up || !act || !mem) {
@@ -145,38 +162,65 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 float *row = qkv + (int64_t)t * qkv_width;
+                if (L->q_norm) {
+                    float tmp[head_dim];
+                    for (int j = 0; j < d->heads; j++)
+                        norm_in_place(row + (int64_t)j * head_dim, L->q_norm, tmp, head_dim,
+                                      d->eps);
+                    for (int j = 0; j < d->kv_heads; j++)
+                        norm_in_place(row + q_size + (int64_t)j * head_dim, L->k_norm, tmp,
+                                      head_dim, d->eps);
+                }
                 if (bf16)
-                    loom_rope_store_kv_bf16(row, 1, d->heads, d->kv_heads, d->head_dim,
-                                            positions + t, cos_table, sin_table, L->k_cache,
-                                            L->v_cache, slots + t);
+                    loom_rope_store_kv_bf16(row, 1, d->heads, d->kv_heads, head_dim,
+                                            positions + t, L->cos_table, L->sin_table,
+                                            L->k_cache, L->v_cache, slots + t);
                 else
-                    loom_rope_store_kv(row, 1, d->heads, d->kv_heads, d->head_dim,
-                                       positions + t, cos_table, sin_table, L->k_cache,
-                                       L->v_cache, slots + t);
+                    loom_rope_store_kv(row, 1, d->heads, d->kv_heads, head_dim, positions + t,
+                                       L->cos_table, L->sin_table, L->k_cache, L->v_cache,
+                                       slots + t);
                 memcpy(q + (int64_t)t * q_size, row, sizeof(float) * q_size);
             }
             if (bf16)
                 paged_decode_attention_bf16_team(q, L->k_cache, L->v_cache, block_tables,
                                                  seq_lens, attn, T, d->heads, d->kv_heads,
-                                                 d->head_dim, d->block_size, max_blocks,
-                                                 d->scale, threads, &failed);
+                                                 head_dim, d->block_size, max_blocks,
+                                                 L->window, d->scale, threads, &failed);
             else
                 paged_decode_attention_f32_team(q, L->k_cache, L->v_cache, block_tables,
                                                 seq_lens, attn, T, d->heads, d->kv_heads,
-                                                d->head_dim, d->block_size, max_blocks,
-                                                d->scale, threads, &failed);
+                                                head_dim, d->block_size, max_blocks,
+                                                L->window, d->scale, threads, &failed);
             linear(&L->o, attn, q_size, x, hidden, T, hidden, q_size, mem, threads, &failed);
 #pragma omp for schedule(static)
-            for (int t = 0; t < T; t++)
-                loom_add_rms_norm(residual + (int64_t)t * hidden, x + (int64_t)t * hidden,
-                                  L->post_norm, h + (int64_t)t * hidden, 1, hidden, d->eps);
+            for (int t = 0; t < T; t++) {
+                float *xt = x + (int64_t)t * hidden, *ht = h + (int64_t)t * hidden;
+                const float *delta = xt;
+                if (L->attn_out_norm) { /* normed into h, then added: h is free here */
+                    norm_row(xt, L->attn_out_norm, ht, hidden, d->eps);
+                    delta = ht;
+                }
+                loom_add_rms_norm(residual + (int64_t)t * hidden, delta, L->mlp_norm, ht, 1,
+                                  hidden, d->eps);
+            }
             linear(&L->gate_up, h, hidden, gate_up, 2 * inter, T, 2 * inter, hidden, mem,
                    threads, &failed);
 #pragma omp for schedule(static)
-            for (int t = 0; t < T; t++)
-                loom_silu_mul(gate_up + (int64_t)t * 2 * inter, act + (int64_t)t * inter, 1,
-                              inter);
+            for (int t = 0; t < T; t++) {
+                if (d->act == ACT_GELU_TANH)
+                    loom_gelu_tanh_mul(gate_up + (int64_t)t * 2 * inter,
+                                       act + (int64_t)t * inter, 1, inter);
+                else
+                    loom_silu_mul(gate_up + (int64_t)t * 2 * inter, act + (int64_t)t * inter, 1,
+                                  inter);
+            }
             linear(&L->down, act, inter, x, hidden, T, hidden, inter, mem, threads, &failed);
+            if (L->mlp_out_norm) {
+#pragma omp for schedule(static)
+                for (int t = 0; t < T; t++)
+                    norm_in_place(x + (int64_t)t * hidden, L->mlp_out_norm,
+                                  h + (int64_t)t * hidden, hidden, d->eps);
+            }
         }
     }
 done:

@@ -13,6 +13,8 @@
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim] (float32 or bfloat16)
  *   block_tables [num_seqs, max_blocks] (int32)
  *   seq_lens     [num_seqs] (int32): tokens to attend to, including the newest
+ *   window       the last `window` of them only (a sliding-window layer: the blocks out of
+ *                reach are not read), or 0: all (the team form takes it; the exported, 0)
  *   out          [num_seqs, num_heads, head_dim] (float32)
  * Returns 0, or -1 if a task's scratch memory could not be had (its rows of `out` are then
  * garbage: the caller fails the step). The indices are trusted: the worker checks every step's
@@ -39,8 +41,8 @@ static inline float bf16_to_f32(uint16_t x) {
 static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,                   \
                         const int32_t *block_tables, const int32_t *seq_lens, float *out,    \
                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,         \
-                        int block_size, int max_blocks, float scale, int threads,            \
-                        int *failed_out) {                                                   \
+                        int block_size, int max_blocks, int window, float scale,             \
+                        int threads, int *failed_out) {                                      \
     const int group = num_heads / num_kv_heads;                                              \
     const int64_t row = (int64_t)num_kv_heads * head_dim;                                    \
     /* Fewer sequences than threads (small batches): split each by query head instead (9   \
@@ -52,7 +54,9 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
     _Pragma("omp for schedule(dynamic, 1)")                                                  \
     for (int task = 0; task < num_seqs * splits; task++) {                                   \
         const int s = task / splits, h0 = (task % splits) * heads_per_task;                  \
-        const int len = seq_lens[s];                                                         \
+        const int end = seq_lens[s];                                                         \
+        const int first = window > 0 && end > window ? end - window : 0;                     \
+        const int len = end - first;                                                         \
         const int32_t *table = block_tables + (int64_t)s * max_blocks;                       \
         const int nh = heads_per_task;                                                       \
         float *scores = malloc(sizeof(float) * (size_t)nh * (size_t)len);                    \
@@ -68,7 +72,8 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
         const float *qs = q + ((int64_t)s * num_heads + h0) * head_dim;                      \
         for (int i = 0; i < nh * head_dim; i++) qf[i] = qs[i] * scale;                       \
         for (int t = 0; t < len; t++) {                                                      \
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size; \
+            const int p = first + t;                                                         \
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size; \
             const T *krow = k_cache + slot * row;                                            \
             for (int h = 0; h < nh; h++) {                                                   \
                 const float *qh = qf + (int64_t)h * head_dim;                                \
@@ -88,7 +93,8 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
         }                                                                                    \
         memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                               \
         for (int t = 0; t < len; t++) {                                                      \
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size; \
+            const int p = first + t;                                                         \
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size; \
             const T *vrow = v_cache + slot * row;                                            \
             for (int h = 0; h < nh; h++) {                                                   \
                 const float w = scores[(int64_t)h * len + t];                                \
@@ -111,8 +117,8 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
     int failed = 0;                                                                          \
     _Pragma("omp parallel")                                                                  \
     NAME##_team(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads,       \
-                num_kv_heads, head_dim, block_size, max_blocks, scale, omp_get_num_threads(), \
-                &failed);                                                                    \
+                num_kv_heads, head_dim, block_size, max_blocks, 0, scale,                    \
+                omp_get_num_threads(), &failed);                                             \
     return failed ? -1 : 0;                                                                  \
 }
 

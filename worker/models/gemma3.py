@@ -15,9 +15,9 @@ Gemma 3 apart, as transformers' `models/gemma3/modeling_gemma3.py` computes it:
   it to the attention, qk-norm having replaced Gemma 2's capping; Gemma 3 sets neither.)
 
 Linear layers are plain nn.Linear (fused q/k/v and gate/up, under the Llama model's names), so
-the model runner's packing and `--quantization` loaders treat them alike. The one-call native
-decode step (`worker/fused_decode.py`) is the Llama family's and never runs here:
-`fused_decode` stays None and `forward` does not consult it.
+the model runner's packing and `--quantization` loaders treat them alike, and decode-only steps
+take the Llama family's one-call native step (`worker/fused_decode.py`), told of the norms,
+rotary tables and windows above by `fused_decode_layers`.
 """
 
 from __future__ import annotations
@@ -197,7 +197,9 @@ class Gemma3ForCausalLM(nn.Module, PagedCausalLM):
             max_positions)
         self.sliding_window = config.sliding_window
         self.final_softcap = config.final_logit_softcapping
-        self.fused_decode = None  # the Llama family's native decode step does not apply
+        # All layers in one native call for decode-only steps (worker/fused_decode.py), set
+        # by the model runner once the weights are packed.
+        self.fused_decode = None
 
     def forward(
         self,
@@ -207,21 +209,49 @@ class Gemma3ForCausalLM(nn.Module, PagedCausalLM):
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
         hidden, residual = self._embed(input_ids), None
-        local_meta = None
-        if self.sliding_window and any(layer.self_attn.sliding for layer in self.layers):
-            local_meta = sliding_window_metadata(meta, self.sliding_window, kv_cache.shape[3])
-        for i, layer in enumerate(self.layers):
-            if layer.self_attn.sliding and local_meta is not None:
-                rotary, layer_meta = self.rotary_local, local_meta
-            else:
-                rotary, layer_meta = self.rotary_global, meta
-            hidden, residual = layer(hidden, residual, rotary, kv_cache[i, 0], kv_cache[i, 1],
-                                     layer_meta)
+        if self.fused_decode is not None and self.fused_decode.applies(meta):
+            hidden, residual = self.fused_decode(hidden, meta, kv_cache)
+        else:
+            hidden, residual = self._layers_forward(hidden, meta, kv_cache)
         x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
         logits = self.lm_head(x).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def _layers_forward(self, hidden, meta: AttentionMetadata, kv_cache: torch.Tensor):
+        residual, local_meta = None, None
+        if self._local(None) and any(layer.self_attn.sliding for layer in self.layers):
+            local_meta = sliding_window_metadata(meta, self.sliding_window, kv_cache.shape[3])
+        for i, layer in enumerate(self.layers):
+            if self._local(layer):
+                rotary, layer_meta = self.rotary_local, local_meta
+            else:
+                rotary, layer_meta = self.rotary_global, meta
+            hidden, residual = layer(hidden, residual, rotary, kv_cache[i, 0], kv_cache[i, 1],
+                                     layer_meta)
+        return hidden, residual
+
+    def _local(self, layer: Gemma3DecoderLayer | None) -> bool:
+        """Whether `layer` (None: any layer) attends through the sliding window, with the
+        local rotary base: a sliding layer of a config that sets a window."""
+        return bool(self.sliding_window) and (layer is None or layer.self_attn.sliding)
+
+    def fused_decode_layers(self) -> list:
+        """The layers as the native decode step reads them (worker/fused_decode.py)."""
+        from worker.fused_decode import DecodeLayer
+
+        layers = []
+        for layer in self.layers:
+            attn, local = layer.self_attn, self._local(layer)
+            layers.append(DecodeLayer(
+                layer.input_layernorm.scale, layer.pre_feedforward_layernorm.scale,
+                self.rotary_local if local else self.rotary_global,
+                attn_out_norm=layer.post_attention_layernorm.scale,
+                mlp_out_norm=layer.post_feedforward_layernorm.scale,
+                q_norm=attn.q_norm.scale, k_norm=attn.k_norm.scale,
+                window=self.sliding_window if local else 0))
+        return layers
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the table times sqrt(hidden_size), that factor rounded to the table's dtype

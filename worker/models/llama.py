@@ -237,6 +237,19 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
         return self.lm_head(x).float()
 
+    def fused_decode_layers(self) -> list:
+        """The layers as the native decode step reads them (worker/fused_decode.py)."""
+        from worker.fused_decode import DecodeLayer
+
+        layers = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            qk = {} if attn.q_norm is None else dict(q_norm=attn.q_norm.weight,
+                                                     k_norm=attn.k_norm.weight)
+            layers.append(DecodeLayer(layer.input_layernorm.weight,
+                                      layer.post_attention_layernorm.weight, self.rotary, **qk))
+        return layers
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """The activations' dtype: the weights' dtype, or float32 after `compute_in_float32`."""
