@@ -12,7 +12,12 @@ import msgspec
 import bench.cli as bench_cli
 from api_server import chat_cli
 from api_server.launcher import StartupError, serve
-from pipelines.config import KVCacheConfig, PipelineConfig, SamplingParamsDefaults
+from pipelines.config import (
+    KVCacheConfig,
+    PipelineConfig,
+    SamplingParamsDefaults,
+    SpeculativeConfig,
+)
 from pipelines.flags import add_flags
 from pipelines.status import PipelineTask
 
@@ -45,6 +50,7 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     check_sampling_defaults(cfg.model_config.sampling_params_defaults)
     check_kv_events(cfg.kv_cache_config)
     check_custom_architectures(cfg.custom_architectures)
+    check_speculative(cfg.speculative_config)
     model = cfg.model_config
     if not model.model_path:
         from pipelines.checkpoint.default_model import DEFAULT_MODEL_NAME, find_gguf
@@ -130,6 +136,28 @@ def check_custom_architectures(specs: tuple[str, ...]) -> None:
             check_spec(spec)
         except CustomArchitectureError as exc:
             raise StartupError(str(exc)) from None
+
+
+def check_speculative(spec: SpeculativeConfig) -> None:
+    method = spec.speculative_method
+    if spec.num_speculative_tokens is not None and spec.num_speculative_tokens < 1:
+        raise StartupError("--num-speculative-tokens must be positive")
+    if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
+        raise StartupError("need 1 <= --prompt-lookup-min <= --prompt-lookup-max")
+    if spec.suffix_decoding_max_tree_depth < 2 or spec.suffix_decoding_max_cached_requests < 0:
+        raise StartupError("--suffix-decoding-max-tree-depth must be at least 2, "
+                           "--suffix-decoding-max-cached-requests at least 0")
+    if spec.suffix_decoding_max_spec_factor <= 0 or \
+            not 0 <= spec.suffix_decoding_min_token_prob <= 1:
+        raise StartupError("--suffix-decoding-max-spec-factor must be positive, "
+                           "--suffix-decoding-min-token-prob in [0, 1]")
+    if (method == "draft") != (spec.draft_model_path is not None):
+        raise StartupError("--draft-model-path goes with --speculative-method draft")
+    if method != "none":
+        # (The proposers exist, worker/speculative/; the step that verifies them does not:
+        # starting would silently decode without them.)
+        raise StartupError(f"--speculative-method {method}: not served yet (speculative "
+                           "decoding is being built); leave it out or use none")
 
 
 def check_kv_events(kv_cache: KVCacheConfig) -> None:

@@ -129,6 +129,47 @@ class DeviceConfig(msgspec.Struct, frozen=True, kw_only=True):
         "blocks", names=("--tensor-parallel-size", "-tp"))] = 1
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding (worker/speculative/): MAX's flags, and vLLM's `speculative_config`
+    fields under their names."""
+    speculative_method: Annotated[str, Flag(
+        "propose tokens to verify several in one step: ngram (prompt lookup), suffix (suffix "
+        "decoding over the request and recent outputs), draft (a smaller model with the same "
+        "tokenizer); not served yet: any but none stops the start with an error",
+        choices=SPECULATIVE_METHODS)] = "none"
+    num_speculative_tokens: Annotated[int | None, Flag(
+        "most tokens proposed per step; default: 5, suffix: --suffix-decoding-max-tree-depth "
+        "(it proposes fewer where its matches are short or unsure)")] = None
+    draft_model_path: Annotated[str | None, Flag(
+        "the draft model of --speculative-method draft", metavar="PATH",
+        names=("--draft-model-path", "--speculative-model"))] = None
+    prompt_lookup_max: Annotated[int, Flag(
+        "ngram: longest match of the last tokens looked for",
+        names=("--prompt-lookup-max", "--ngram-prompt-lookup-max"))] = 4
+    prompt_lookup_min: Annotated[int, Flag(
+        "ngram: shortest match that proposes",
+        names=("--prompt-lookup-min", "--ngram-prompt-lookup-min"))] = 2
+    suffix_decoding_max_tree_depth: Annotated[int, Flag(
+        "suffix: longest match plus proposal")] = 24
+    suffix_decoding_max_cached_requests: Annotated[int, Flag(
+        "suffix: finished requests whose outputs are kept for others' proposals, oldest "
+        "dropped first (0: none)")] = 10000
+    suffix_decoding_max_spec_factor: Annotated[float, Flag(
+        "suffix: most tokens proposed per token matched")] = 1.0
+    suffix_decoding_min_token_prob: Annotated[float, Flag(
+        "suffix: stop proposing below this estimated probability")] = 0.1
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """num_speculative_tokens, or the method's default (vLLM's rule for suffix)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return self.suffix_decoding_max_tree_depth if self.speculative_method == "suffix" else 5
+
+
 class SpeechConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_speech: Annotated[bool, Flag(
         "serve the default voice on /v1/audio/speech beside a text model (when the [tts] "
@@ -269,6 +310,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "the CPU", names=("--devices", "--device"))] = "auto"
     device_config: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
     speech_config: SpeechConfig = msgspec.field(default_factory=SpeechConfig)
+    speculative_config: SpeculativeConfig = msgspec.field(
+        default_factory=SpeculativeConfig)
     server_config: ServerConfig = msgspec.field(default_factory=ServerConfig)
 
     @classmethod

@@ -1,0 +1,194 @@
+"""Suffix decoding (Oliaro et al. 2024; vLLM's `suffix`, from Arctic Inference): propose the
+most frequent continuation of the request's last tokens, as found in the request itself
+(prompt and output) and in the recent outputs of other requests (output_cache.py).
+
+Arctic Inference keeps suffix trees of depth `max_tree_depth`; a node's count is the number of
+occurrences of its string. Here the occurrences themselves stand in for the nodes: for each
+match length m (1 .. depth-1) the set of places where the last m tokens occur, narrowed from
+m to m+1 with one vectorized comparison, and a walk down the continuations keeps the
+occurrences that follow the most frequent next token, the token's probability being its share
+of the node's count. The rules are Arctic's: a match of m tokens proposes at most
+min(num tokens, m * max_spec_factor, depth - m) tokens, the walk stops below
+min_token_prob, and of all match lengths the draft with the highest score (the sum of its
+tokens' probabilities) wins, ties going to the longer match; the request's draft and the
+other requests' compete the same way.
+
+Differences: an output joins the cache when its request finishes (Arctic adds tokens as they
+are generated); the cache's matches start at two tokens and read the most recent 256
+occurrences of the last two tokens. A request's own matches are found by scanning its tokens:
+a few microseconds for thousands of tokens, and no index to keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker.speculative.output_cache import OutputCache
+from worker.speculative.token_buffer import TokenBuffer
+
+
+@dataclass
+class SuffixDraft:
+    tokens: np.ndarray
+    score: float = 0.0  # sum of the tokens' estimated probabilities
+    match_length: int = 0
+
+
+NO_DRAFT = SuffixDraft(np.zeros(0, dtype=np.int32))
+
+
+def narrow_matches(corpus: np.ndarray, ends: np.ndarray, pattern: np.ndarray, matched: int,
+                   max_match: int) -> dict[int, np.ndarray]:
+    """Match length -> the occurrences (indices of the token after each) of the last that many
+    tokens of `pattern`, from `ends`, the occurrences of its last `matched`, to `max_match`.
+    Lengths with the same occurrences share one array (their walks are the same)."""
+    levels = {}
+    m = matched
+    while len(ends) and m <= max_match:
+        levels[m] = ends
+        if len(ends) == 1:  # (one occurrence left: how far it goes back, in one loop)
+            end = int(ends[0])
+            for longer in range(m + 1, min(max_match, end) + 1):
+                if corpus[end - longer] != pattern[-longer]:
+                    break
+                levels[longer] = ends
+            return levels
+        m += 1
+        narrowed = ends[ends >= m]
+        narrowed = narrowed[corpus[narrowed - m] == pattern[-m]]
+        ends = ends if len(narrowed) == len(ends) else narrowed
+    return levels
+
+
+def walk(corpus: np.ndarray, ends: np.ndarray, max_tokens: int, min_prob: float,
+         open_ends: int = 0) -> tuple[list[int], list[float]]:
+    """The most frequent continuation of the occurrences ending before `ends`, one token at a
+    time while its probability stays >= min_prob; `open_ends` more occurrences end the
+    sequence (they count, with no continuation). Returns the tokens and their probabilities."""
+    tokens: list[int] = []
+    probs: list[float] = []
+    prob, count = 1.0, len(ends) + open_ends
+    while len(tokens) < max_tokens and len(ends):
+        if len(ends) == count == 1:  # (one occurrence: its tokens follow with certainty)
+            run = corpus[ends[0]:ends[0] + max_tokens - len(tokens)]
+            stop = np.flatnonzero(run < 0)
+            run = run[:stop[0]] if len(stop) else run
+            tokens.extend(run.tolist())
+            probs.extend([prob] * len(run))
+            break
+        following = corpus[ends]
+        first = following[0]
+        if first >= 0 and bool((following == first).all()):
+            token, token_count = int(first), len(ends)
+        else:
+            values, counts = np.unique(following[following >= 0], return_counts=True)
+            if not len(values):
+                break
+            best = int(counts.argmax())
+            token, token_count = int(values[best]), int(counts[best])
+        prob *= token_count / count
+        if prob < min_prob:
+            break
+        tokens.append(token)
+        probs.append(prob)
+        ends = ends[following == token] + 1
+        count = len(ends)
+    return tokens, probs
+
+
+def best_draft(corpus: np.ndarray, levels: dict[int, np.ndarray], max_tokens: int,
+               max_depth: int, max_spec_factor: float, min_prob: float,
+               open_ends: int = 0) -> SuffixDraft:
+    caps = {m: max(0, min(max_tokens, int(m * max_spec_factor + 1e-6), max_depth - m))
+            for m in sorted(levels)}
+    cap_up_to, group_cap, most = {}, {}, 0  # (the best any match up to m can do)
+    for m, cap in caps.items():
+        cap_up_to[m] = most = max(most, cap)
+        group_cap[id(levels[m])] = max(group_cap.get(id(levels[m]), 0), cap)
+    walks: dict[int, tuple[list[int], list[float]]] = {}  # id of the occurrences -> walk
+    best = NO_DRAFT
+    for m in reversed(caps):  # longest first: a shorter match must do better
+        if cap_up_to[m] <= best.score:
+            break
+        if caps[m] <= best.score:
+            continue
+        ends = levels[m]
+        if id(ends) not in walks:  # (a walk with a smaller cap is a prefix of this one)
+            walks[id(ends)] = walk(corpus, ends, group_cap[id(ends)], min_prob, open_ends)
+        tokens, probs = walks[id(ends)]
+        score = sum(probs[:caps[m]])
+        if score > best.score:
+            best = SuffixDraft(np.asarray(tokens[:caps[m]], dtype=np.int32), score, m)
+    return best
+
+
+class SuffixProposer:
+    def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24,
+                 max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1, max_cached_tokens: int = 1 << 20):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_tree_depth = max_tree_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.outputs = OutputCache(max_cached_requests, max_cached_tokens)
+        self._requests: dict[str, tuple[TokenBuffer, int]] = {}  # (tokens, prompt length)
+
+    def add_request(self, request_id: str, prompt: np.ndarray) -> None:
+        buffer = TokenBuffer(2 * len(prompt))
+        buffer.extend(prompt)
+        self._requests[request_id] = (buffer, len(prompt))
+
+    def propose(self, request_id: str, tokens: np.ndarray,
+                max_tokens: int | None = None) -> np.ndarray:
+        return self.draft(request_id, tokens, max_tokens).tokens
+
+    def draft(self, request_id: str, tokens: np.ndarray,
+              max_tokens: int | None = None) -> SuffixDraft:
+        """The best draft to follow `tokens`, the request's prompt and output so far (each
+        call's extends the last one's; `rollback` for the exception)."""
+        if request_id not in self._requests:
+            self.add_request(request_id, tokens)
+        buffer, _ = self._requests[request_id]
+        if len(tokens) < buffer.length:
+            raise ValueError(f"{request_id}: tokens shrank without a rollback")
+        buffer.extend(tokens[buffer.length:])
+        max_tokens = self.num_speculative_tokens if max_tokens is None else max_tokens
+        length = buffer.length
+        if length < 2 or max_tokens <= 0:
+            return NO_DRAFT
+        corpus = buffer.array
+        pattern = corpus[max(0, length - self.max_tree_depth):length]
+        max_match = len(pattern) - 1
+        # The request: its own last tokens are one more occurrence, ending the sequence.
+        ends = np.flatnonzero(corpus[:length - 1] == corpus[length - 1]) + 1
+        levels = narrow_matches(corpus, ends, pattern, 1, max_match)
+        draft = best_draft(corpus, levels, max_tokens, self.max_tree_depth,
+                           self.max_spec_factor, self.min_token_prob, open_ends=1)
+        if max_match >= 2 and self.outputs.num_outputs:
+            store = self.outputs.store
+            levels = narrow_matches(store, self.outputs.occurrences(pattern[-2:]), pattern, 2,
+                                    max_match)
+            other = best_draft(store, levels, max_tokens, self.max_tree_depth,
+                               self.max_spec_factor, self.min_token_prob)
+            if other.score > draft.score:
+                draft = other
+        return draft
+
+    def rollback(self, request_id: str, length: int) -> None:
+        entry = self._requests.get(request_id)
+        if entry is not None and length < entry[0].length:
+            entry[0].truncate(length)
+
+    def release(self, request_id: str, cache_output: bool = True) -> None:
+        """The request is done: its output joins the cache of other requests' proposals
+        (unless it failed or was cancelled: cache_output False)."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None and cache_output:
+            buffer, prompt_length = entry
+            self.outputs.add(buffer.tokens[prompt_length:])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
