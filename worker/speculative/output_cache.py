@@ -26,7 +26,7 @@ def bigram_keys(tokens: np.ndarray) -> list[int]:
 
 class OutputCache:
     def __init__(self, max_outputs: int, max_tokens: int = 1 << 20,
-                 max_occurrences: int = 256):
+                 max_occurrences: int = 64):
         self.max_outputs = max_outputs
         self.max_tokens = max_tokens
         self.max_occurrences = max_occurrences

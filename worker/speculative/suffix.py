@@ -3,24 +3,26 @@ most frequent continuation of the request's last tokens, as found in the request
 (prompt and output) and in the recent outputs of other requests (output_cache.py).
 
 Arctic Inference keeps suffix trees of depth `max_tree_depth`; a node's count is the number of
-occurrences of its string. Here the occurrences themselves stand in for the nodes: for each
-match length m (1 .. depth-1) the set of places where the last m tokens occur, narrowed from
-m to m+1 with one vectorized comparison, and a walk down the continuations keeps the
-occurrences that follow the most frequent next token, the token's probability being its share
-of the node's count. The rules are Arctic's: a match of m tokens proposes at most
-min(num tokens, m * max_spec_factor, depth - m) tokens, the walk stops below
+occurrences of its string. Here the occurrences themselves stand in for the nodes: the places
+where the last two tokens occur, how far back each agrees with the request's last tokens (one
+vectorized comparison), hence the occurrences of every match length m; a walk down the
+continuations keeps the occurrences that follow the most frequent next token, the token's
+probability being its share of the node's count. The rules are Arctic's: a match of m tokens
+proposes at most min(num tokens, m * max_spec_factor, depth - m) tokens, the walk stops below
 min_token_prob, and of all match lengths the draft with the highest score (the sum of its
 tokens' probabilities) wins, ties going to the longer match; the request's draft and the
-other requests' compete the same way.
+other requests' compete the same way (tests/test_spec_proposers.py checks the request's
+against a brute-force walk).
 
 Differences: an output joins the cache when its request finishes (Arctic adds tokens as they
-are generated); the cache's matches start at two tokens and read the most recent 256
-occurrences of the last two tokens. A request's own matches are found by scanning its tokens:
-a few microseconds for thousands of tokens, and no index to keep.
+are generated); the cache's matches start at two tokens and read the most recent 64
+occurrences of the last two tokens (a bounded cost per step). A request's own matches are
+found by scanning its tokens: microseconds for thousands of tokens, and no index to keep.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,21 +46,23 @@ def narrow_matches(corpus: np.ndarray, ends: np.ndarray, pattern: np.ndarray, ma
     """Match length -> the occurrences (indices of the token after each) of the last that many
     tokens of `pattern`, from `ends`, the occurrences of its last `matched`, to `max_match`.
     Lengths with the same occurrences share one array (their walks are the same)."""
-    levels = {}
-    m = matched
-    while len(ends) and m <= max_match:
-        levels[m] = ends
-        if len(ends) == 1:  # (one occurrence left: how far it goes back, in one loop)
-            end = int(ends[0])
-            for longer in range(m + 1, min(max_match, end) + 1):
-                if corpus[end - longer] != pattern[-longer]:
-                    break
-                levels[longer] = ends
-            return levels
-        m += 1
-        narrowed = ends[ends >= m]
-        narrowed = narrowed[corpus[narrowed - m] == pattern[-m]]
-        ends = ends if len(narrowed) == len(ends) else narrowed
+    if not len(ends) or max_match < matched:
+        return {}
+    # How far back each occurrence agrees with the pattern, all at once.
+    # (Index -1 is the -1 past the corpus's end: a match stops there, before reading further
+    # negative indices.)
+    before = corpus[ends[:, None] - np.arange(1, max_match + 1)]
+    lengths = (before == pattern[::-1][:max_match]).cumprod(axis=1).sum(axis=1)
+    order = np.argsort(-lengths, kind="stable")
+    ends, lengths = ends[order], lengths[order]
+    at_least = np.bincount(lengths, minlength=max_match + 1)[::-1].cumsum()[::-1].tolist()
+    levels, shared = {}, None
+    for m in range(matched, max_match + 1):
+        if not at_least[m]:
+            break
+        if shared is None or len(shared) != at_least[m]:
+            shared = ends[:at_least[m]]
+        levels[m] = shared
     return levels
 
 
@@ -69,32 +73,34 @@ def walk(corpus: np.ndarray, ends: np.ndarray, max_tokens: int, min_prob: float,
     sequence (they count, with no continuation). Returns the tokens and their probabilities."""
     tokens: list[int] = []
     probs: list[float] = []
-    prob, count = 1.0, len(ends) + open_ends
-    while len(tokens) < max_tokens and len(ends):
-        if len(ends) == count == 1:  # (one occurrence: its tokens follow with certainty)
-            run = corpus[ends[0]:ends[0] + max_tokens - len(tokens)]
-            stop = np.flatnonzero(run < 0)
-            run = run[:stop[0]] if len(stop) else run
-            tokens.extend(run.tolist())
-            probs.extend([prob] * len(run))
-            break
-        following = corpus[ends]
-        first = following[0]
-        if first >= 0 and bool((following == first).all()):
-            token, token_count = int(first), len(ends)
-        else:
-            values, counts = np.unique(following[following >= 0], return_counts=True)
-            if not len(values):
+    if max_tokens <= 0 or not len(ends):
+        return tokens, probs
+    # What follows each occurrence (-1 past its sequence's end; the store ends with -1).
+    rows = corpus[np.minimum(ends[:, None] + np.arange(max_tokens), len(corpus) - 1)]
+    prob, count, j = 1.0, len(ends) + open_ends, 0
+    while j < max_tokens and len(rows):
+        head = rows[0, j:]
+        run = int(((rows[:, j:] == head).all(axis=0) & (head >= 0)).cumprod().sum())
+        if run:  # (every occurrence goes on the same way: copying, or a single occurrence)
+            prob *= len(rows) / count
+            if prob < min_prob:
                 break
-            best = int(counts.argmax())
-            token, token_count = int(values[best]), int(counts[best])
+            tokens.extend(head[:run].tolist())
+            probs.extend([prob] * run)
+            count, j = len(rows), j + run
+            continue
+        column = rows[:, j]
+        counts = Counter(column[column >= 0].tolist())  # (np.unique costs more, this small)
+        if not counts:
+            break
+        token, token_count = max(counts.items(), key=lambda item: (item[1], -item[0]))
         prob *= token_count / count
         if prob < min_prob:
             break
         tokens.append(token)
         probs.append(prob)
-        ends = ends[following == token] + 1
-        count = len(ends)
+        rows = rows[column == token]
+        count, j = len(rows), j + 1
     return tokens, probs
 
 
@@ -102,26 +108,30 @@ def best_draft(corpus: np.ndarray, levels: dict[int, np.ndarray], max_tokens: in
                max_depth: int, max_spec_factor: float, min_prob: float,
                open_ends: int = 0) -> SuffixDraft:
     caps = {m: max(0, min(max_tokens, int(m * max_spec_factor + 1e-6), max_depth - m))
-            for m in sorted(levels)}
+            for m in levels}
     cap_up_to, group_cap, most = {}, {}, 0  # (the best any match up to m can do)
     for m, cap in caps.items():
         cap_up_to[m] = most = max(most, cap)
         group_cap[id(levels[m])] = max(group_cap.get(id(levels[m]), 0), cap)
-    walks: dict[int, tuple[list[int], list[float]]] = {}  # id of the occurrences -> walk
-    best = NO_DRAFT
+    # id of the occurrences -> the walk's tokens and its score after each
+    walks: dict[int, tuple[list[int], list[float]]] = {}
+    best_score, best_tokens, best_match = 0.0, [], 0
     for m in reversed(caps):  # longest first: a shorter match must do better
-        if cap_up_to[m] <= best.score:
+        if cap_up_to[m] <= best_score:
             break
-        if caps[m] <= best.score:
+        if caps[m] <= best_score:
             continue
         ends = levels[m]
         if id(ends) not in walks:  # (a walk with a smaller cap is a prefix of this one)
-            walks[id(ends)] = walk(corpus, ends, group_cap[id(ends)], min_prob, open_ends)
-        tokens, probs = walks[id(ends)]
-        score = sum(probs[:caps[m]])
-        if score > best.score:
-            best = SuffixDraft(np.asarray(tokens[:caps[m]], dtype=np.int32), score, m)
-    return best
+            tokens, probs = walk(corpus, ends, group_cap[id(ends)], min_prob, open_ends)
+            walks[id(ends)] = tokens, np.cumsum(probs).tolist()
+        tokens, scores = walks[id(ends)]
+        cap = min(caps[m], len(tokens))
+        if cap and scores[cap - 1] > best_score:
+            best_score, best_tokens, best_match = scores[cap - 1], tokens[:cap], m
+    if not best_tokens:
+        return NO_DRAFT
+    return SuffixDraft(np.asarray(best_tokens, dtype=np.int32), best_score, best_match)
 
 
 class SuffixProposer:
@@ -161,17 +171,28 @@ class SuffixProposer:
         corpus = buffer.array
         pattern = corpus[max(0, length - self.max_tree_depth):length]
         max_match = len(pattern) - 1
-        # The request: its own last tokens are one more occurrence, ending the sequence.
-        ends = np.flatnonzero(corpus[:length - 1] == corpus[length - 1]) + 1
-        levels = narrow_matches(corpus, ends, pattern, 1, max_match)
-        draft = best_draft(corpus, levels, max_tokens, self.max_tree_depth,
-                           self.max_spec_factor, self.min_token_prob, open_ends=1)
+        rules = (max_tokens, self.max_tree_depth, self.max_spec_factor, self.min_token_prob)
+        # The request: its own last tokens are one more occurrence, ending the sequence. Its
+        # matches of two tokens and more first (few occurrences to narrow down) ...
+        draft = NO_DRAFT
+        if max_match >= 2:
+            ends = np.flatnonzero((corpus[:length - 2] == corpus[length - 2])
+                                  & (corpus[1:length - 1] == corpus[length - 1])) + 2
+            draft = best_draft(corpus, narrow_matches(corpus, ends, pattern, 2, max_match),
+                               *rules, open_ends=1)
+        # ... then of its last token alone, where the few tokens such a match may propose
+        # could do better.
+        if min(max_tokens, int(self.max_spec_factor + 1e-6), self.max_tree_depth - 1) \
+                > draft.score:
+            ends = np.flatnonzero(corpus[:length - 1] == corpus[length - 1]) + 1
+            single = best_draft(corpus, {1: ends} if len(ends) else {}, *rules, open_ends=1)
+            if single.score > draft.score:
+                draft = single
         if max_match >= 2 and self.outputs.num_outputs:
             store = self.outputs.store
             levels = narrow_matches(store, self.outputs.occurrences(pattern[-2:]), pattern, 2,
                                     max_match)
-            other = best_draft(store, levels, max_tokens, self.max_tree_depth,
-                               self.max_spec_factor, self.min_token_prob)
+            other = best_draft(store, levels, *rules)
             if other.score > draft.score:
                 draft = other
         return draft
