@@ -91,6 +91,7 @@ def test_speculative_decoding_is_refused_until_served(tiny_model_dir, capsys):
     """Its settings are checked, and a method stops the start with one clear line rather than
     being silently ignored (the proposers exist; the verification step does not yet)."""
     from api_server.cli import main
+    from pipelines.config import PipelineConfig
 
     for flags in (["--speculative-method", "ngram"],
                   ["--speculative-method", "suffix", "--num-speculative-tokens", "8"],
@@ -104,6 +105,11 @@ def test_speculative_decoding_is_refused_until_served(tiny_model_dir, capsys):
                            (["--num-speculative-tokens", "0"], "--num-speculative-tokens")):
         assert main(["serve", "--model", tiny_model_dir, *flags]) == 1
         assert problem in capsys.readouterr().err
+    # (vLLM's rule: suffix decoding proposes up to its tree's depth unless told.)
+    suffix = PipelineConfig().replace(speculative_method="suffix")
+    assert suffix.speculative_config.num_draft_tokens == 24
+    assert PipelineConfig().speculative_config.num_draft_tokens == 5
+    assert suffix.replace(num_speculative_tokens=3).speculative_config.num_draft_tokens == 3
 
 
 def test_network_facing_host_needs_an_api_key(tiny_model_dir):

@@ -22,30 +22,36 @@ def chi_square(counts: np.ndarray, probs: torch.Tensor) -> float:
 
 
 def first_tokens(k: int, draft_probs: torch.Tensor | None, draft_tokens: np.ndarray,
-                 seed: int) -> tuple[np.ndarray, float]:
-    """Counts of the first returned token over the draws, and the mean accepted count."""
+                 seed: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Counts of the first and of the second returned token (where there is one) over the
+    draws, and the mean accepted count."""
     generator = torch.Generator().manual_seed(seed)
     target = P.expand(k + 1, -1)
     q = None if draft_probs is None else draft_probs.expand(k, -1)
-    counts, accepted = np.zeros(len(P)), 0
+    first, second, accepted = np.zeros(len(P)), np.zeros(len(P)), 0
     for draft in draft_tokens:
         out = rejection_sample(target, torch.from_numpy(draft), q, generator=generator)
-        counts[int(out[0])] += 1
+        first[int(out[0])] += 1
+        if len(out) > 1:
+            second[int(out[1])] += 1
         accepted += len(out) - 1
-    return counts, accepted / len(draft_tokens)
+    return first, second, accepted / len(draft_tokens)
 
 
 def test_sampled_tokens_follow_the_target_distribution_whatever_the_draft():
     rng = np.random.default_rng(0)
     # A draft model: its tokens drawn from Q, its probabilities given.
     drafts = rng.choice(len(Q), size=(DRAWS, 2), p=Q.numpy())
-    counts, accepted = first_tokens(2, Q, drafts, seed=1)
-    assert chi_square(counts, P) < CHI2_4DF_0_001, counts
-    assert 0.5 < accepted < 1.5  # (sum of min(p, q) = 0.5 per position)
+    first, second, accepted = first_tokens(2, Q, drafts, seed=1)
+    assert chi_square(first, P) < CHI2_4DF_0_001, first
+    # (The token after an accepted one is the target's too: p at every position here.)
+    assert chi_square(second, P) < CHI2_4DF_0_001, second
+    assert 0.5 < accepted < 1.0  # (sum of min(p, q) = 0.45 per position: 0.45 + 0.45**2)
     # A deterministic proposer (q one-hot): tokens from anywhere, always the same one here.
     drafts = np.full((DRAWS, 3), 3)
-    counts, accepted = first_tokens(3, None, drafts, seed=2)
-    assert chi_square(counts, P) < CHI2_4DF_0_001, counts
+    first, second, accepted = first_tokens(3, None, drafts, seed=2)
+    assert chi_square(first, P) < CHI2_4DF_0_001, first
+    assert chi_square(second, P) < CHI2_4DF_0_001, second
     assert 0.3 < accepted < 0.5  # (0.3 + 0.09 + 0.027)
     # The test can fail: the draft's distribution is not the target's.
     assert chi_square(np.bincount(rng.choice(len(Q), DRAWS, p=Q.numpy()), minlength=5),
