@@ -27,7 +27,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     target_probs: [k+1, V], the target's distribution at the k proposed positions and the one
     after them; draft_tokens: [k]; draft_probs: [k, V], or None for a deterministic proposer.
     Greedy: the target's argmax at each position, as long as it matches the draft (target_probs
-    may then be logits)."""
+    may then be logits). The tensors may be on any device; `generator` is the request's CPU
+    generator, as the sampler's."""
     k = draft_tokens.numel()
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
@@ -37,7 +38,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
         accepted = leading_matches(best, drafts)
         return torch.tensor(best[:accepted + 1], dtype=torch.long)
     # (A few tensor operations, then plain floats: this runs per request per step.)
-    index = draft_tokens.view(k, 1)
+    index = draft_tokens.view(k, 1).to(target_probs.device)
     p = target_probs[:k].gather(1, index).view(k).tolist()
     q = [1.0] * k if draft_probs is None else draft_probs.gather(1, index).view(k).tolist()
     u = torch.rand(k, generator=generator, dtype=torch.float64).tolist()
@@ -72,8 +73,12 @@ def sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from unnormalized weights: inverse CDF with one uniform draw, as the sampler
     does (torch.multinomial is many times slower over a vocabulary)."""
     cdf = weights.cumsum(0, dtype=torch.float64)
-    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), weights.numel() - 1)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(cdf[-1])
+    where = torch.tensor([u], dtype=torch.float64, device=weights.device)
+    token = min(int(torch.searchsorted(cdf, where, right=True)), weights.numel() - 1)
+    if not weights[token] > 0:  # (rounding must never pick a token without mass)
+        token = int(weights.argmax())
+    return token
 
 
 def leading_matches(a: list, b: list) -> int:
