@@ -23,7 +23,10 @@ def reference_ngram(tokens, k, max_n, min_n):
     for n in range(max_n, min_n - 1, -1):
         for end in range(length - 1, n - 1, -1):
             if tokens[end - n:end] == tokens[length - n:]:
-                return tokens[end:end + k]
+                extended = tokens[:]
+                while len(extended) < end + k:  # (a copy overlapping its own output)
+                    extended.append(extended[len(extended) - (length - end)])
+                return extended[end:end + k]
     return []
 
 
@@ -49,6 +52,12 @@ def test_ngram_prefers_the_longest_then_the_most_recent_match():
     # Two equally long matches: the more recent one.
     tokens = np.array([1, 2, 9, 4, 1, 2, 8, 4, 1, 2])
     assert proposer.propose("b", tokens).tolist() == [8, 4, 1]
+
+
+def test_ngram_repetition_goes_on_repeating():
+    proposer = NgramProposer(num_speculative_tokens=5)
+    assert proposer.propose("a", np.array([9, 1, 1, 1, 1])).tolist() == [1] * 5
+    assert proposer.propose("b", np.array([9, 3, 4, 3, 4, 3, 4])).tolist() == [3, 4, 3, 4, 3]
 
 
 def test_ngram_proposes_nothing_on_text_that_does_not_repeat():

@@ -1,7 +1,7 @@
 """N-gram proposals (prompt lookup, vLLM's `ngram`, llama.cpp's lookup decoding): find the
 last n tokens of the request (n from prompt_lookup_max down to prompt_lookup_min, longest
 first) earlier in its prompt or output, most recent occurrence first, and propose what
-followed them there.
+followed them there (a repetition that reaches the end repeats: "a b a b" proposes "a b a b").
 
 Each request keeps a hash chain over its tokens, as LZ77 compressors do: `head` maps each
 n-gram of the shortest length to the end of its most recent occurrence, `prev[e]` links an
@@ -86,7 +86,12 @@ class NgramIndex:
             end = int(self.prev[end])
         if best_end < 0:
             return array[:0]
-        return array[best_end:min(best_end + max_tokens, length)].copy()
+        if length - best_end >= max_tokens:
+            return array[best_end:best_end + max_tokens].copy()
+        # What followed runs into the request's own last tokens (a repetition: "a b a b"): it
+        # goes on repeating them, as an LZ77 copy that overlaps its own output does.
+        period = array[best_end:length]
+        return np.tile(period, -(-max_tokens // len(period)))[:max_tokens]
 
     @property
     def nbytes(self) -> int:
