@@ -135,6 +135,9 @@ def best_draft(corpus: np.ndarray, levels: dict[int, np.ndarray], max_tokens: in
 
 
 class SuffixProposer:
+    """Proposals for every running request: `add_request` with its prompt (so that `release`
+    caches its output alone), then `propose` each step, `release` when it ends."""
+
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24,
                  max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, max_cached_tokens: int = 1 << 20):
