@@ -194,6 +194,58 @@ def test_suffix_proposes_from_other_requests_finished_outputs():
         assert len(proposer.propose("second", tokens)) == 0
 
 
+def reference_cached(outputs, context, k, depth, factor, min_prob):
+    """Arctic Inference's walk over other requests' outputs (matches of 2 tokens and more),
+    by brute force: each output a sequence of its own."""
+    pattern = list(context[-depth:])
+    best, best_score = [], 0.0
+    for m in range(2, len(pattern)):
+        ends = [(o, e) for o in outputs for e in range(m, len(o) + 1)
+                if list(o[e - m:e]) == pattern[-m:]]
+        if not ends:
+            break
+        cap = max(0, min(k, int(m * factor + 1e-6), depth - m))
+        draft, prob, score = [], 1.0, 0.0
+        while len(draft) < cap and ends:
+            following = [int(o[e]) for o, e in ends if e < len(o)]
+            if not following:
+                break
+            values, counts = np.unique(following, return_counts=True)
+            token, count = int(values[counts.argmax()]), int(counts.max())
+            prob *= count / len(ends)
+            if prob < min_prob:
+                break
+            draft.append(token)
+            score += prob
+            ends = [(o, e + 1) for o, e in ends if e < len(o) and o[e] == token]
+        if score >= best_score:
+            best, best_score = draft, score
+    return best, best_score
+
+
+def test_suffix_cache_walk_matches_brute_force():
+    from worker.speculative.suffix import best_draft, narrow_matches
+
+    proposer = SuffixProposer(num_speculative_tokens=6, max_tree_depth=10,
+                              max_cached_requests=12)
+    outputs = [random_text(int(rng.integers(2, 25)), vocab=4) for _ in range(20)]
+    for i, output in enumerate(outputs):
+        proposer.add_request(i, np.array([7]))
+        proposer.propose(i, np.concatenate([[7], output]))
+        proposer.release(i)
+    cache = proposer.outputs
+    assert cache.num_outputs == 12
+    for _ in range(200):
+        context = random_text(int(rng.integers(3, 14)), vocab=4)
+        pattern = context[-10:]
+        levels = narrow_matches(cache.store, cache.occurrences(pattern[-2:]), pattern, 2,
+                                len(pattern) - 1)
+        draft = best_draft(cache.store, levels, 6, 10, 1.0, 0.1)
+        expected, score = reference_cached(outputs[-12:], context, 6, 10, 1.0, 0.1)
+        assert draft.tokens.tolist() == expected, (context, draft)
+        assert draft.score == pytest.approx(score)
+
+
 def test_suffix_cache_keeps_the_newest_outputs_within_its_bounds():
     proposer = SuffixProposer(num_speculative_tokens=4, max_cached_requests=50)
     outputs = [random_text(500) for _ in range(400)]
