@@ -79,7 +79,7 @@ class OutputCache:
 
     def occurrences(self, last_two: np.ndarray) -> np.ndarray:
         """Store indices just past the most recent occurrences of these two tokens, ascending."""
-        found = self._occurrences.get(bigram_keys(last_two)[0])
+        found = self._occurrences.get((int(last_two[0]) << 32) | int(last_two[1]))
         if not found:
             return np.zeros(0, dtype=np.int64)
         first = max(bisect.bisect_left(found, self.live_start + 2),

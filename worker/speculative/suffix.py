@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -53,16 +54,13 @@ def narrow_matches(corpus: np.ndarray, ends: np.ndarray, pattern: np.ndarray, ma
     # negative indices.)
     before = corpus[ends[:, None] - np.arange(1, max_match + 1)]
     lengths = (before == pattern[::-1][:max_match]).cumprod(axis=1).sum(axis=1)
-    order = np.argsort(-lengths, kind="stable")
-    ends, lengths = ends[order], lengths[order]
-    at_least = np.bincount(lengths, minlength=max_match + 1)[::-1].cumsum()[::-1].tolist()
-    levels, shared = {}, None
-    for m in range(matched, max_match + 1):
-        if not at_least[m]:
-            break
-        if shared is None or len(shared) != at_least[m]:
-            shared = ends[:at_least[m]]
-        levels[m] = shared
+    # (Every occurrence matches at least `matched`; few distinct lengths beyond.)
+    levels, shared, low = {}, ends, matched
+    for length in sorted(set(lengths.tolist())):
+        for m in range(low, length + 1):
+            levels[m] = shared
+        low = length + 1
+        shared = ends[lengths > length]
     return levels
 
 
@@ -124,7 +122,7 @@ def best_draft(corpus: np.ndarray, levels: dict[int, np.ndarray], max_tokens: in
         ends = levels[m]
         if id(ends) not in walks:  # (a walk with a smaller cap is a prefix of this one)
             tokens, probs = walk(corpus, ends, group_cap[id(ends)], min_prob, open_ends)
-            walks[id(ends)] = tokens, np.cumsum(probs).tolist()
+            walks[id(ends)] = tokens, list(accumulate(probs))
         tokens, scores = walks[id(ends)]
         cap = min(caps[m], len(tokens))
         if cap and scores[cap - 1] > best_score:
