@@ -292,5 +292,27 @@ def test_acceptance_history_adapts_the_proposal_length():
     assert history.recent_accepted == [0, 1, 3, 5]
     assert (history.num_draft_tokens, history.num_accepted_tokens) == (6 + 5 + 4 + 3 + 2 + 1
                                                                        + 1 + 1 + 3 + 5, 12)
+    assert history.accepted_per_position == [5, 3, 2, 1, 1, 0]
     with pytest.raises(ValueError):
         history.record(proposed=2, accepted=3)
+
+
+def test_the_configuration_makes_its_proposer():
+    from pipelines.config import PipelineConfig
+    from worker.speculative.proposer import make_proposer
+
+    config = PipelineConfig().replace(prompt_lookup_max=3, suffix_decoding_min_token_prob=0.2,
+                                      num_speculative_tokens=7)
+    assert make_proposer(config.speculative_config) is None
+    ngram = make_proposer(config.replace(speculative_method="ngram").speculative_config)
+    suffix = make_proposer(config.replace(speculative_method="suffix").speculative_config)
+    assert (ngram.num_speculative_tokens, ngram.prompt_lookup_max) == (7, 3)
+    assert (suffix.num_speculative_tokens, suffix.min_token_prob) == (7, 0.2)
+    passage = random_text(50)
+    for proposer in (ngram, suffix):  # (the same calls)
+        proposer.add_request("r", passage)
+        tokens = np.concatenate([passage, passage[:10]])
+        assert proposer.propose("r", tokens).tolist() == passage[10:17].tolist()
+        proposer.rollback("r", len(passage))
+        proposer.release("r", cache_output=False)
+        assert proposer.num_requests == 0

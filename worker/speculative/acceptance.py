@@ -16,6 +16,8 @@ class AcceptanceHistory:
         self.next_length = max_tokens
         self.num_draft_tokens = 0  # all proposals of the request together
         self.num_accepted_tokens = 0
+        # How often the i-th proposed token was accepted (vLLM's per-position metric).
+        self.accepted_per_position = [0] * max_tokens
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # (proposed, accepted)
 
     def record(self, proposed: int, accepted: int) -> None:
@@ -26,6 +28,8 @@ class AcceptanceHistory:
             return
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        for position in range(min(accepted, self.max_tokens)):
+            self.accepted_per_position[position] += 1
         self._recent.append((proposed, accepted))
         if accepted == proposed:
             self.next_length = min(self.max_tokens, self.next_length + 2)

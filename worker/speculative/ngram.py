@@ -112,6 +112,12 @@ class NgramProposer:
         self.max_chain = max_chain
         self._requests: dict[str, NgramIndex] = {}
 
+    def add_request(self, request_id: str, prompt: np.ndarray) -> None:
+        """Index the prompt now (else the first proposal does)."""
+        self._requests[request_id] = NgramIndex(
+            self.prompt_lookup_min, self.prompt_lookup_max, self.max_chain)
+        self._requests[request_id].extend(prompt)
+
     def propose(self, request_id: str, tokens: np.ndarray,
                 max_tokens: int | None = None) -> np.ndarray:
         """Up to `max_tokens` (default: num_speculative_tokens) tokens to follow `tokens`, the
@@ -133,7 +139,8 @@ class NgramProposer:
         if index is not None and length < index.buffer.length:
             index.truncate(length)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, cache_output: bool = True) -> None:
+        """(cache_output: the suffix proposer's; n-grams are the request's own.)"""
         self._requests.pop(request_id, None)
 
     @property
