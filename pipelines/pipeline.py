@@ -40,12 +40,15 @@ import torch
 
 from pipelines.checkpoint.gguf_file import dequantize, open_gguf
 from pipelines.checkpoint.gguf_tokenizer import is_gguf
-from pipelines.checkpoint.model_config import ModelConfig, load_model_config
+from pipelines.checkpoint.model_config import (
+    ModelConfig,
+    load_model_config,
+    resolve_max_model_len,
+)
 from pipelines.config import PipelineConfig
 from pipelines.context import TextContext
 from pipelines.response import LogProbabilities
 from pipelines.status import PipelineTask
-from serialization.messages import StepBatch
 from worker.attention import (
     AttentionMetadata,
     build_attention_metadata,
@@ -75,7 +78,7 @@ class ModelInputs:
     and the KV cache inputs of the batch when it has a cache. The default
     `compute_log_probabilities` reads `kv_cache_inputs` for echo."""
 
-    kv_cache_inputs: KVCacheInputs | None = None
+    kv_cache_inputs: KVCacheInputs | None  # (set it; a model without a cache need not)
 
 
 @dataclass
@@ -131,25 +134,34 @@ class KVCacheInputs:
 @dataclass
 class PagedModelInputs(ModelInputs):
     """Loom's built-in models' inputs: the flat token ids of the batch, its cache inputs, and
-    the rows whose logits are computed (the runner may narrow them: sampled ones first)."""
+    the rows whose logits are computed. The runner narrows those rows (`narrow`) to the ones
+    it reads: the sampling contexts' last rows, then prompt rows asked for with echo."""
 
     input_ids: torch.Tensor  # [T] int64, every fed token of every context in order
-    attention: AttentionMetadata
-    kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, KVH, D]
-    logits_rows: torch.Tensor  # rows of T whose logits are computed: sampled ones first
-    num_sampled: int  # how many of logits_rows are sampling sequences' last rows
-    # The step's paged layout, kept for `prepare_next_token_inputs`.
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
-    block_size: int
+    kv_cache_inputs: KVCacheInputs
+    logits_rows: torch.Tensor  # rows of T whose logits are computed: next-token rows first
+    num_sampled: int  # how many of logits_rows are next_token_logits
 
-    def to(self, device: torch.device) -> PagedModelInputs:
-        """The inputs on the model's device (the host arrays stay; nothing moves on a CPU)."""
-        if device.type == "cpu":
-            return self
-        return replace(self, input_ids=self.input_ids.to(device, non_blocking=True),
-                       attention=self.attention.to(device),
-                       logits_rows=self.logits_rows.to(device, non_blocking=True))
+    @property
+    def attention(self) -> AttentionMetadata:
+        return self.kv_cache_inputs.attention
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.kv_cache_inputs.kv_cache
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.kv_cache_inputs.seq_lens
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return self.kv_cache_inputs.query_lens
+
+    def narrow(self, rows: np.ndarray, num_sampled: int) -> None:
+        """Compute the logits of `rows` only, the first `num_sampled` as next_token_logits."""
+        self.logits_rows = torch.from_numpy(rows).to(self.input_ids.device, non_blocking=True)
+        self.num_sampled = num_sampled
 
 
 class PagedKVCacheManager:
@@ -188,16 +200,10 @@ class ModelOutputs:
     failed_requests: dict[str, str] = field(default_factory=dict)
 
     def to_host(self) -> ModelOutputs:
-        """The logits on the CPU (sampling, grammars and log probabilities run there): in
-        one copy when next_token_logits are the first rows of logits (Loom's models)."""
+        """The logits on the CPU (sampling, grammars and log probabilities run there)."""
         first, every = self.next_token_logits, self.logits
-        if every is not None and every.device.type != "cpu":
-            shared = first is not None and first.data_ptr() == every.data_ptr()
-            every = every.cpu()
-            first = every[: len(first)] if shared else first
-        if first is not None and first.device.type != "cpu":
-            first = first.cpu()
-        return ModelOutputs(first, every, self.failed_requests)
+        return ModelOutputs(first.cpu() if first is not None else None,
+                            every.cpu() if every is not None else None, self.failed_requests)
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,14 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
 def hf_config(path: str) -> ModelConfig:
     """A checkpoint's config.json (or GGUF header), as transformers' names."""
     return load_model_config(path)
+
+
+def checkpoint_config(pipeline_config: PipelineConfig, shard=None) -> tuple[ModelConfig, int]:
+    """A Loom model's config (this tensor-parallel rank's part, with `shard`, a
+    worker.tensor_parallel.ShardPlan) and its rotary tables' length, the resolved max_length."""
+    config = hf_config(pipeline_config.model_config.model_path)
+    max_positions = resolve_max_model_len(config, pipeline_config.model_config.max_length)
+    return (shard.config(config) if shard is not None else config), max_positions
 
 
 def log_probabilities(logits: torch.Tensor, tokens: torch.Tensor,
@@ -299,20 +313,16 @@ class KVCacheMixin:
         p = self.kv_params
         tokens = min(p.max_batch_input_tokens, p.max_length)
         blocks = -(-tokens // p.page_size)
-        scratch = allocate_kv_cache(p.shard, p.dtype, blocks, p.page_size, self.session)
-        step = StepBatch(step_id=-1, request_ids=["profile"],
-                         input_ids=np.zeros(tokens, np.int32),
-                         query_lens=np.array([tokens], np.int32),
-                         seq_lens=np.array([tokens], np.int32),
-                         block_tables=np.arange(blocks, dtype=np.int32)[None, :],
-                         sample=np.array([True]))
-        rows = torch.arange(tokens - min(tokens, p.max_batch_size), tokens)
-        inputs = self.prepare_initial_token_inputs(
-            step, torch.zeros(tokens, dtype=torch.long), rows, len(rows), scratch,
-            p.page_size).to(self.session)
+        scratch = PagedKVCacheManager(
+            allocate_kv_cache(p.shard, p.dtype, blocks, p.page_size, self.session), p.page_size)
+        ctx = TextContext(tokens=np.zeros(tokens, np.int64), max_length=p.max_length)
+        kv = scratch.fetch([ctx], np.arange(blocks, dtype=np.int32)[None, :])
+        inputs = self.prepare_initial_token_inputs([ctx], kv_cache_inputs=kv)
+        if isinstance(inputs, PagedModelInputs):  # (as many rows as a step samples at most)
+            inputs.narrow(np.arange(tokens - min(tokens, p.max_batch_size), tokens), 1)
         with torch.inference_mode():
             self.execute(inputs)
-        del scratch
+        del scratch, kv, inputs
 
 
 class PipelineModel(KVCacheMixin, ABC):
@@ -355,7 +365,7 @@ class PipelineModel(KVCacheMixin, ABC):
         if not any(batch_top_n):
             return None
         logits = model_outputs.next_token_logits
-        kv = model_inputs.kv_cache_inputs if any(batch_echo) else None
+        kv = getattr(model_inputs, "kv_cache_inputs", None) if any(batch_echo) else None
         if any(batch_echo) and (kv is None or model_outputs.logits is None):
             raise ValueError("echo log probabilities need the model inputs' kv_cache_inputs "
                              "and every row's logits (return_n_logits=-1)")
@@ -379,31 +389,45 @@ class PipelineModel(KVCacheMixin, ABC):
 
 
 class PagedCausalLM(PipelineModel):
-    """PipelineModel for a decoder-only module whose `forward(input_ids, meta, kv_cache,
-    logits_rows)` returns float32 logits of the wanted rows (Llama family, Gemma 3)."""
+    """PipelineModel for Loom's decoder-only modules, whose `forward(input_ids, meta,
+    kv_cache, logits_rows)` returns float32 logits of the wanted rows (Llama family, Gemma 3;
+    the vision-language models add their images). Their decode steps run the fused native
+    step (or replay CUDA graphs, worker/cuda_graphs.py) under the same contract."""
 
-    def prepare_initial_token_inputs(self, step, input_ids, logits_rows, num_sampled, kv_cache,
-                                     block_size):
-        meta = build_attention_metadata(step.query_lens, step.seq_lens, step.block_tables,
-                                        block_size)
-        return PagedModelInputs(input_ids, meta, kv_cache, logits_rows, num_sampled,
-                           step.seq_lens, step.block_tables, block_size)
+    def prepare_initial_token_inputs(self, context_batch, kv_cache_inputs=None,
+                                     return_n_logits=1):
+        if kv_cache_inputs is None:
+            raise ValueError(f"{type(self).__name__} runs over the paged KV cache: pass the "
+                             f"KV manager's kv_cache_inputs")
+        ids = np.concatenate([ctx.next_tokens for ctx in context_batch])
+        input_ids = torch.from_numpy(ids).to(self.session, non_blocking=True)
+        q = kv_cache_inputs.query_lens
+        last = np.cumsum(q) - 1
+        if return_n_logits == -1:
+            rows = np.concatenate([last, np.arange(int(q.sum()))])
+        else:
+            rows = last if return_n_logits else last[:0]
+        inputs = PagedModelInputs(input_ids, kv_cache_inputs, torch.empty(0), len(last))
+        inputs.narrow(rows, len(last) if return_n_logits else 0)
+        return inputs
 
     def prepare_next_token_inputs(self, next_tokens, prev_model_inputs):
-        prev = prev_model_inputs
+        prev = prev_model_inputs.kv_cache_inputs
         seq_lens = prev.seq_lens.astype(np.int64) + 1
         tables = prev.block_tables
-        needed = -(-seq_lens // prev.block_size)
+        needed = -(-seq_lens // prev.page_size)
         if (needed > tables.shape[1]).any() or (tables[np.arange(len(seq_lens)), needed - 1] < 0).any():
             raise ValueError("a sequence's next token needs a KV block its table does not have")
         n = len(seq_lens)
-        meta = build_attention_metadata(np.ones(n, dtype=np.int64), seq_lens, tables,
-                                        prev.block_size)
-        return PagedModelInputs(next_tokens.reshape(-1).long(), meta, prev.kv_cache,
-                           torch.arange(n), n, seq_lens, tables, prev.block_size)
+        kv = PagedKVCacheManager(prev.kv_cache, prev.page_size).inputs(
+            seq_lens, np.ones(n, dtype=np.int64), tables)
+        return PagedModelInputs(next_tokens.reshape(-1).long(), kv,
+                                torch.arange(n, device=next_tokens.device), n)
 
     def execute(self, model_inputs):
         m = model_inputs
         logits = self(m.input_ids, m.attention, m.kv_cache, m.logits_rows)
-        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=logits)
-
+        # (The rows after the next-token ones: every row with return_n_logits=-1, the echo
+        # rows once the runner narrowed them.)
+        rest = logits[m.num_sampled :] if len(logits) > m.num_sampled else None
+        return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=rest)

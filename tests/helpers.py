@@ -181,3 +181,34 @@ def hf_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: int) -> l
 def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f)
+
+
+def check_windows(runner) -> list[int]:
+    """Make `runner.next_token` assert that each context's window (start_idx..active_idx)
+    is exactly what the step feeds it: its positions, and its tokens (a FUTURE_TOKEN
+    placeholder: the token the runner sampled last for it, unless it has ended). Returns
+    the count of steps checked, kept current."""
+    import numpy as np
+
+    if hasattr(runner.next_token, "checked"):
+        return runner.next_token.checked
+    checked = [0]
+    run = runner.next_token
+
+    def next_token(step, contexts):
+        starts = np.cumsum(step.query_lens) - step.query_lens
+        for i, ctx in enumerate(contexts):
+            q, s, first = int(step.query_lens[i]), int(step.seq_lens[i]), int(starts[i])
+            assert (ctx.start_idx, ctx.active_idx) == (s - q, s), (ctx.request_id, i)
+            fed, window = step.input_ids[first : first + q], ctx.tokens[s - q : s]
+            real = fed >= 0
+            assert (window[real] == fed[real]).all()
+            state = runner.requests.get(ctx.request_id)  # (None: new in this step)
+            if not real.all() and not ctx.is_done and state and state.output_tokens:
+                assert window[-1] == state.output_tokens[-1]
+        checked[0] += 1
+        return run(step, contexts)
+
+    next_token.checked = checked
+    runner.next_token = next_token
+    return checked

@@ -81,7 +81,7 @@ def test_graph_replays_give_the_eager_forwards_logits(cuda_model_dir):
     import numpy as np
 
     from pipelines.config import PipelineConfig
-    from tests.test_cuda_graphs import _step
+    from tests.test_cuda_graphs import _decode_contexts, _step
     from worker.model_runner import ModelRunner
 
     runner = ModelRunner(PipelineConfig.for_model(
@@ -101,8 +101,9 @@ def test_graph_replays_give_the_eager_forwards_logits(cuda_model_dir):
         step = _step(ids.tolist(), lens.tolist(), table)
         replayed = runner.graphs.run(step, ids).clone()
         with torch.inference_mode():
+            contexts = _decode_contexts(ids.tolist(), lens.tolist())
             inputs = runner.model.prepare_initial_token_inputs(
-                step, torch.from_numpy(ids), torch.arange(n), n, cache, 16).to(runner.device)
+                contexts, kv_cache_inputs=runner.kv_manager.fetch(contexts, table))
             expected = runner.model.execute(inputs).next_token_logits
         torch.testing.assert_close(replayed, expected, rtol=1e-4, atol=1e-4)
 

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pipelines.config import PipelineConfig
+from pipelines.context import TextContext
 from serialization.messages import StepBatch
 from worker.cuda_graphs import DecodeGraphs, capture_sizes, is_decode_only
 from worker.model_runner import ModelRunner
@@ -27,6 +28,16 @@ def _step(ids: list[int], seq_lens: list[int], tables: np.ndarray, sample=None) 
                      input_ids=np.array(ids, np.int32), query_lens=np.ones(n, np.int32),
                      seq_lens=np.array(seq_lens, np.int32), block_tables=tables,
                      sample=np.ones(n, bool) if sample is None else sample)
+
+
+def _decode_contexts(ids: list[int], seq_lens: list[int]) -> list[TextContext]:
+    """Contexts feeding one token each, `ids[i]` at position seq_lens[i] - 1."""
+    contexts = []
+    for token, n in zip(ids, seq_lens):
+        ctx = TextContext(tokens=np.full(n, token), max_length=n + 1)
+        ctx.set_token_indices(start_idx=n - 1)
+        contexts.append(ctx)
+    return contexts
 
 
 def test_only_steps_of_one_sampled_token_per_sequence_are_decode_only():
@@ -60,10 +71,10 @@ def test_static_decode_buffers_give_the_ordinary_steps_logits(untied_tiny_model_
         ids = rng.integers(0, 49152, n).tolist()
         step = _step(ids, lens.tolist(), table)
         static = graphs.run(step, np.array(ids)).clone()
-        rows = torch.arange(n)
         with torch.inference_mode():
+            contexts = _decode_contexts(ids, lens.tolist())
             inputs = model.prepare_initial_token_inputs(
-                step, torch.tensor(ids), rows, n, cache, BLOCK)
+                contexts, kv_cache_inputs=runner.kv_manager.fetch(contexts, table))
             expected = model.execute(inputs).next_token_logits
         assert static.shape == expected.shape == (n, 49152)
         torch.testing.assert_close(static, expected, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from scheduler.scheduler import Scheduler
 from tests.helpers import make_tiny_checkpoint
 from worker.attention import build_attention_metadata
 from worker.model_runner import ModelRunner
+from worker.pipeline import run_step
 
 
 # qwen2: a qkv bias; qwen3: q/k norms; gemma3: q/k norms, four norms a layer of 1 + w, GELU,
@@ -92,7 +93,7 @@ def test_decode_step_logits_equal_the_python_path(runner):
         sched.add_request(TextContext(max_length=n + 8, tokens=rng.integers(5, 400, n),
                                       sampling_params=SamplingParams(temperature=0.0)))
     step = sched.schedule()
-    sched.update(step, runner.next_token(step.batch))  # prefill (the Python path)
+    sched.update(step, run_step(runner, step))  # prefill (the Python path)
     for _ in range(3):
         step = sched.schedule()
         batch = step.batch
@@ -111,4 +112,4 @@ def test_decode_step_logits_equal_the_python_path(runner):
             finally:
                 runner.model.fused_decode = fused_path
         torch.testing.assert_close(fused, python, rtol=1e-4, atol=atol)
-        sched.update(step, runner.next_token(batch))
+        sched.update(step, run_step(runner, step))

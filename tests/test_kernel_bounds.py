@@ -19,7 +19,7 @@ from scheduler.scheduler import Scheduler
 from serialization.messages import StepBatch, StepResult
 from tests.helpers import ROOT
 from worker.model_runner import ModelRunner
-from worker.pipeline import ScheduledSteps, TextGenerationPipeline
+from worker.pipeline import ScheduledSteps, TextGenerationPipeline, run_step
 from worker.process import answer_step
 
 BLOCK = 16  # the native prefill kernel's block size, so both attention kernels run
@@ -101,7 +101,7 @@ def steps(runner):
     sched = new_scheduler(runner)
     add_prompts(sched, seed=1)
     prefill = sched.schedule()
-    sched.update(prefill, runner.next_token(prefill.batch))
+    sched.update(prefill, run_step(runner, prefill))
     decode = sched.schedule()
     assert (decode.batch.query_lens == 1).all() and (prefill.batch.query_lens > 1).all()
     return {"prefill": prefill.batch, "decode": decode.batch}
@@ -112,7 +112,7 @@ def steps(runner):
 def test_a_corrupted_step_raises_a_value_error(runner, steps, kind, corrupt):
     bad = corrupt(steps[kind], runner)
     with pytest.raises(ValueError, match=f"step {bad.step_id}"):
-        runner.next_token(bad)
+        runner.check(bad)
     result = answer_step(worker_pipeline(runner), None, bad, started=0.0)
     assert isinstance(result, StepResult) and result.error.startswith("ValueError")
     assert (result.sampled_token_ids == -1).all()
@@ -150,7 +150,7 @@ def test_legitimate_padding_and_placeholders_pass(runner, steps):
     step = steps["decode"]
     padded = with_arrays(step, block_tables=widened(step.block_tables, 5, -1),
                          input_ids=set_at(step.input_ids, 0, -1))
-    runner.next_token(padded)  # (the states' last tokens stand in for the placeholder)
+    runner.check(padded)
 
 
 # -- allocation failures in the kernels ------------------------------------------------------

@@ -30,7 +30,7 @@ ALLOWED = {
 # pipelines/pipeline.py is MAX's model contract (max.pipelines.pipeline), which a user's model
 # imports from `pipelines`; it is built on the worker's paged cache and kernels, and only the
 # worker imports it (`pipelines/__init__` does not, so the other processes never load it).
-FILE_ALLOWED = {"pipelines/pipeline.py": {"worker", "serialization"}}
+FILE_ALLOWED = {"pipelines/pipeline.py": {"worker"}}
 
 
 def imported_packages(path: pathlib.Path) -> set[tuple[str, int]]:

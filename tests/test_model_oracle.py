@@ -12,9 +12,10 @@ from pipelines import SamplingParams, TextContext
 from pipelines.config import PipelineConfig
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler
-from tests.helpers import hf_greedy, make_tiny_checkpoint
+from tests.helpers import check_windows, hf_greedy, make_tiny_checkpoint
 from tests.oracle_cache import cached_oracle
 from worker.model_runner import ModelRunner
+from worker.pipeline import run_step
 
 PROMPTS = [
     "The quick brown fox",
@@ -39,7 +40,7 @@ def run_engine(runner, prompts_ids, budget=512, block_size=4, num_blocks=None, p
     steps = 0
     while sched.has_work:
         step = sched.schedule()
-        sched.update(step, runner.next_token(step.batch))
+        sched.update(step, run_step(runner, step))
         steps += 1
     assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
     return [c.generated_tokens.tolist() for c in ctxs], sched
@@ -49,6 +50,7 @@ def run_engine_overlapped(runner, prompts_ids, budget=512, block_size=4, num_blo
                           stop_ids=None, new_tokens=NEW_TOKENS):
     """The scheduler process's order of events, in one process: while step N "runs", step
     N+1 is built ahead (placeholders for N's tokens); N's result is applied before N+1 runs."""
+    check_windows(runner)  # (each step's windows are exactly what it feeds)
     blocks = BlockManager(num_blocks or runner.num_blocks, block_size, True)
     sched = Scheduler(PipelineConfig().replace(max_batch_size=16, max_batch_input_tokens=budget,
                                       max_length=runner.max_model_len), blocks)
@@ -68,7 +70,7 @@ def run_engine_overlapped(runner, prompts_ids, budget=512, block_size=4, num_blo
             queue.append(ahead)
             ahead_steps += 1
         running = queue.pop(0)
-        sched.update(running, runner.next_token(running.batch))
+        sched.update(running, run_step(runner, running))
     assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
     assert ahead_steps > 0
     return [c.generated_tokens.tolist() for c in ctxs], sched

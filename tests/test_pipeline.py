@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines import SamplingParams, TextContext, TokenGenerator
 from pipelines.config import PipelineConfig
-from tests.helpers import hf_greedy
+from tests.helpers import check_windows, hf_greedy
 from worker.pipeline import TextGenerationPipeline
 
 
@@ -38,6 +38,7 @@ def test_chunked_prefill_and_a_context_left_out(tiny_model_dir):
 
     pipeline = TextGenerationPipeline.in_process(PipelineConfig.for_model(
         tiny_model_dir, kv_cache_memory=4 << 20, max_batch_input_tokens=5))
+    check_windows(pipeline.runner)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids = tok.encode("A prompt long enough to need several chunks of five tokens each, at least")
@@ -75,6 +76,7 @@ def test_the_worker_runs_the_scheduler_steps_through_the_pipeline(tiny_model_dir
     from worker.process import answer_step
 
     runner = ModelRunner(PipelineConfig.for_model(tiny_model_dir, kv_cache_memory=4 << 20))
+    checked = check_windows(runner)  # (each step's windows are exactly what it feeds)
     pipeline = TextGenerationPipeline(runner, ScheduledSteps(runner.max_model_len))
     encode, decode = msgpack_numpy_encoder(), msgpack_numpy_decoder(StepMessage)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -115,7 +117,7 @@ def test_the_worker_runs_the_scheduler_steps_through_the_pipeline(tiny_model_dir
             break
         if step is None or len(inflight) == 2:
             run(inflight.popleft())
-    assert not sched.has_work and sched.num_preemptions > 0
+    assert not sched.has_work and sched.num_preemptions > 0 and checked[0] > 10
     for ctx, (_, _, want, status) in zip(ours, cases):
         worker = workers[ctx.request_id]
         assert ctx.generated_tokens.tolist() == want == worker.generated_tokens.tolist()

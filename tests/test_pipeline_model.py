@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipelines.config import PipelineConfig
+from pipelines.context import TextContext
 from pipelines.pipeline import KVCacheMixin, ModelOutputs, PagedKVCacheManager, PipelineModel
-from serialization.messages import StepBatch
 from tests.helpers import make_tiny_checkpoint
 from worker.model_runner import ModelRunner
 
@@ -29,11 +29,8 @@ def model_and_oracle(smollm2_dir, tmp_path_factory):
     return runner, hf, AutoTokenizer.from_pretrained(path)
 
 
-def _prefill_step(prompts: list[list[int]], tables: np.ndarray) -> StepBatch:
-    lens = np.array([len(p) for p in prompts], dtype=np.int32)
-    return StepBatch(step_id=0, request_ids=[str(i) for i in range(len(prompts))],
-                     input_ids=np.concatenate(prompts).astype(np.int32), query_lens=lens,
-                     seq_lens=lens, block_tables=tables, sample=np.ones(len(prompts), bool))
+def _contexts(prompts: list[list[int]]) -> list[TextContext]:
+    return [TextContext(tokens=np.array(p), max_length=64) for p in prompts]
 
 
 def test_prefill_then_next_token_inputs_follow_transformers(model_and_oracle):
@@ -45,13 +42,22 @@ def test_prefill_then_next_token_inputs_follow_transformers(model_and_oracle):
     # Each sequence gets enough blocks for its prompt and the decode steps, disjoint.
     per_seq = -(-(max(map(len, prompts)) + steps) // BLOCK)
     tables = np.arange(len(prompts) * per_seq, dtype=np.int32).reshape(len(prompts), per_seq)
-    step = _prefill_step(prompts, tables)
-    last_rows = torch.from_numpy(np.cumsum(step.query_lens).astype(np.int64) - 1)
-    ids = torch.from_numpy(step.input_ids.astype(np.int64))
+    contexts = _contexts(prompts)
     with torch.inference_mode():
-        inputs = model.prepare_initial_token_inputs(step, ids, last_rows, len(prompts),
-                                                    runner.kv_cache, BLOCK)
+        kv = runner.kv_manager.fetch(contexts, tables)
+        inputs = model.prepare_initial_token_inputs(contexts, kv_cache_inputs=kv,
+                                                    return_n_logits=-1)
         outputs = model.execute(inputs)
+        # Echo (every row's logits): each prompt token's log probability after the first.
+        first = torch.tensor(tok.encode("x"))  # (any token: compared below for row 0 only)
+        echo = model.compute_log_probabilities(inputs, outputs, first.expand(2), [2, 0],
+                                               [True, False])
+        want = torch.log_softmax(hf(torch.tensor([prompts[0]])).logits[0], dim=-1)
+        assert echo[1] is None and len(echo[0].token_log_probabilities) == len(prompts[0])
+        torch.testing.assert_close(
+            torch.tensor(echo[0].token_log_probabilities[:-1]),
+            want[torch.arange(len(prompts[0]) - 1), torch.tensor(prompts[0][1:])],
+            atol=2e-4, rtol=1e-4)
         generated = [[] for _ in prompts]
         for _ in range(steps):
             tokens = outputs.next_token_logits.argmax(dim=-1)
@@ -80,12 +86,10 @@ def test_prefill_then_next_token_inputs_follow_transformers(model_and_oracle):
 def test_next_token_inputs_refuse_a_missing_block(model_and_oracle):
     runner, _, tok = model_and_oracle
     prompt = tok.encode("abcd efgh")[:BLOCK]  # exactly one full block
-    tables = np.array([[0, -1]], dtype=np.int32)
-    step = _prefill_step([prompt], tables)
+    contexts = _contexts([prompt])
     with torch.inference_mode():
-        inputs = runner.model.prepare_initial_token_inputs(
-            step, torch.from_numpy(step.input_ids.astype(np.int64)),
-            torch.tensor([len(prompt) - 1]), 1, runner.kv_cache, BLOCK)
+        kv = runner.kv_manager.fetch(contexts, np.array([[0, -1]], dtype=np.int32))
+        inputs = runner.model.prepare_initial_token_inputs(contexts, kv_cache_inputs=kv)
         with pytest.raises(ValueError, match="KV block"):
             runner.model.prepare_next_token_inputs(torch.tensor([5]), inputs)
 
@@ -140,8 +144,6 @@ def test_attend_is_causal_attention_over_chunks_in_the_paged_cache():
     """Two sequences fed in chunks of different sizes (then a decode token each), their
     blocks scattered in the cache: each step's rows equal plain causal attention (SDPA, GQA)
     over the whole sequence, and positions are each token's own."""
-    from pipelines.context import TextContext
-
     m = OneAttentionLayer
     model = m(PipelineConfig(), torch.device("cpu"))
     cache = torch.zeros(1, 2, 12, BLOCK, m.KV_HEADS, m.DIM)

@@ -39,6 +39,7 @@ from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage
 from tests.helpers import start_server
 from worker.model_runner import ModelRunner
+from worker.pipeline import run_step
 
 MAX_TOKENS = 10
 BLOCK = KVCacheConfig().kv_cache_page_size  # the server's KV block (default): hits are whole
@@ -406,7 +407,7 @@ def run_in_process(runner, contexts, budget, num_blocks=None, abort_after=None, 
         if steps_seen is not None:
             steps_seen.append((step.batch.request_ids, step.batch.query_lens.tolist(),
                                step.batch.seq_lens.tolist()))
-        sched.update(step, runner.next_token(step.batch))
+        sched.update(step, run_step(runner, step))
         steps += 1
         if steps == abort_after:
             sched.abort(contexts[0].request_id)

@@ -13,12 +13,14 @@ from pipelines.checkpoint.gguf_file import dequantize, open_gguf
 from pipelines.checkpoint.gguf_tokenizer import is_gguf
 from pipelines.checkpoint.model_config import ModelConfig, load_model_config, resolve_max_model_len
 from pipelines.config import PipelineConfig
-from pipelines.context import FUTURE_TOKEN
+from pipelines.context import FUTURE_TOKEN, TextContext
 from pipelines.custom_architectures import load_architectures
 from pipelines.pipeline import (
     KVCacheParams,
     ModelInputs,
     ModelOutputs,
+    PagedCausalLM,
+    PagedModelInputs,
     PipelineModel,
 )
 from pipelines.response import LogProbabilities
@@ -81,16 +83,16 @@ class ModelRunner:
                              f"for now (--device cpu)")
         self.block_size = block_size
         self.max_model_len = resolve_max_model_len(self.config, model.max_length)
+        cls = model_class(self.config, architectures)
         self.tp = _tensor_parallel_plan(pipeline_config.device_config.tensor_parallel_size,
-                                        rank, self.config, self.quantization)
+                                        rank, self.config, cls)
         if self.tp is not None:  # (a step's hidden state: at most a full chunk of tokens)
             use_shared_memory(self.max_batch_input_tokens * self.config.hidden_size)
-        cls = model_class(self.config, architectures)
         if any(cls is arch.pipeline_model for arch in architectures):
             self.model = _build_custom_model(cls, pipeline_config, self.device, self.quantization)
         else:
-            self.model: PipelineModel = _build_model(self.config, self.max_model_len, self.dtype,
-                                                     model_path, self.quantization, self.tp,
+            self.model: PipelineModel = _build_model(cls, pipeline_config, self.config,
+                                                     self.dtype, self.quantization, self.tp,
                                                      self.device)
         shard = self.tp.config(self.config) if self.tp else self.config
         self.model.session = self.device
@@ -143,26 +145,31 @@ class ModelRunner:
         """Decode steps replay CUDA graphs: on one GPU, for the architectures whose forward
         can be captured, unless --enforce-eager."""
         return (self.cuda_graphs and self.device.type == "cuda" and self.tp is None
+                and isinstance(self.model, PagedCausalLM)
                 and self.config.architecture in GRAPH_SAFE_ARCHITECTURES)
 
     @property
     def eos_token_ids(self) -> list[int]:
         return self.config.eos_token_ids
 
-    def next_token(self, step: StepBatch) -> StepResult:
-        """MAX's `TokenGenerator.next_token` in the server's paged form: the batch of contexts
-        is the scheduler's StepBatch (one step: a prefill chunk or a decode token each), and
-        the per-request responses come back as one StepResult's arrays (a TextResponse per
-        sequence, packed). Runs the forward pass, samples, and computes the log
-        probabilities asked for. Requests the scheduler lists as finished are released."""
+    def check(self, step: StepBatch) -> None:
+        """Refuse a step whose indices the native kernels could not follow (`check_step`):
+        the worker runs it on every step before writing its tokens into the contexts."""
+        check_step(step, self.num_blocks, self.block_size, self.max_model_len,
+                   self.config.vocab_size)
+
+    def next_token(self, step: StepBatch, contexts: list[TextContext]) -> StepResult:
+        """MAX's `TokenGenerator.next_token` in the server's paged form: `contexts` feed
+        their windows (start_idx..active_idx, as `step` lays them out: a prefill chunk or a
+        decode token each) over the step's block tables, and the per-request responses come
+        back as one StepResult's arrays (a TextResponse per sequence, packed). The model runs
+        through its contract (`prepare_initial_token_inputs`, `execute`,
+        `compute_log_probabilities`); then the runner samples. Requests the scheduler lists
+        as finished are released."""
         for new in step.new_requests:
             self.requests[new.request_id] = self._new_state(new)
         for request_id in step.finished_request_ids:
             self.release(request_id)
-        # (After the bookkeeping: a failed step's requests are ended by the scheduler, which
-        # then lists them as finished, so nothing is left behind.)
-        check_step(step, self.num_blocks, self.block_size, self.max_model_len,
-                   self.config.vocab_size)
 
         num_seqs = len(step.request_ids)
         out = StepResult(step_id=step.step_id,
@@ -179,25 +186,9 @@ class ModelRunner:
         echo_plans = plan_echo(step, states) if self.samples else []
         if failed:
             echo_plans = [p for p in echo_plans if p.seq not in failed]
-        # (A rank that does not sample computes no logits: rows of none.)
-        rows = [last_rows_of(step)[sample_seqs] if self.samples else np.zeros(0, np.int64)]
-        rows += [p.rows for p in echo_plans]
-        input_ids = _realize_future_tokens(step, states)
         with torch.inference_mode():
-            if self.graphs is not None and not echo_plans and self.graphs.fits(step):
-                # (Decode-only: sampling rows are sequences; the logits-processing and
-                # log-probability paths read only the outputs, so no ModelInputs is built.)
-                inputs = None
-                logits = self.graphs.run(step, input_ids)
-                if len(rows[0]) < num_seqs:  # (a failed sequence's row left out)
-                    logits = logits[torch.from_numpy(rows[0]).to(logits.device)]
-                logits = logits.cpu()
-                outputs = ModelOutputs(next_token_logits=logits, logits=logits)
-            else:
-                inputs = self.model.prepare_initial_token_inputs(
-                    step, torch.from_numpy(input_ids), torch.from_numpy(np.concatenate(rows)),
-                    len(rows[0]), self.kv_cache, self.block_size).to(self.device)
-                outputs = self.model.execute(inputs).to_host()
+            inputs, outputs, logit_seqs, echo_logits = self._forward(step, contexts,
+                                                                      sample_seqs, echo_plans)
             if outputs.failed_requests:  # (an image that failed to encode: rows discarded)
                 for i, rid in enumerate(step.request_ids):
                     if rid in outputs.failed_requests:
@@ -207,11 +198,9 @@ class ModelRunner:
                 return out
             try:
                 if echo_plans:
-                    out.prompt_logprobs = self._echo(echo_plans,
-                                                     outputs.logits[len(sample_seqs):], states,
-                                                     failed)
+                    out.prompt_logprobs = self._echo(echo_plans, echo_logits, states, failed)
                 if len(sample_seqs):
-                    self._sample(out, inputs, outputs, states, sample_seqs, failed)
+                    self._sample(out, inputs, outputs, logit_seqs, states, sample_seqs, failed)
                 if failed:
                     out.sampled_token_ids[list(failed)] = -1
             finally:  # (a failed sampling too: the other ranks wait for its tokens)
@@ -220,6 +209,36 @@ class ModelRunner:
         if failed:
             self._fail(out, step, states, failed)
         return out
+
+    def _forward(self, step: StepBatch, contexts: list[TextContext], sample_seqs: np.ndarray,
+                 echo_plans: list) -> tuple:
+        """The model's outputs for the step (on the host): (inputs, outputs, the sequence of
+        each next_token_logits row, the echo plans' rows' logits).
+
+        Loom's own models compute only the rows read (`PagedModelInputs.narrow`: the sampling
+        sequences' last rows, then the echo rows), and their decode-only steps replay CUDA
+        graphs where captured; any other model gives every context's last row, and every row
+        when echo is asked (return_n_logits=-1)."""
+        if self.graphs is not None and not echo_plans and self.graphs.fits(step):
+            logits = self.graphs.run(step, fed_tokens(contexts))
+            if len(sample_seqs) < len(contexts):  # (a failed sequence's row left out)
+                logits = logits[torch.from_numpy(sample_seqs).to(logits.device)]
+            return None, ModelOutputs(next_token_logits=logits.cpu()), sample_seqs, None
+        kv = self.kv_manager.fetch(contexts, step.block_tables)
+        extra = {"step": step} if getattr(self.model, "reads_step", False) else {}
+        inputs = self.model.prepare_initial_token_inputs(
+            contexts, kv_cache_inputs=kv,
+            return_n_logits=-1 if echo_plans else 1 if self.samples else 0, **extra)
+        narrowed = isinstance(inputs, PagedModelInputs)
+        if narrowed:  # (a rank that does not sample computes no logits: rows of none)
+            rows = [last_rows_of(step)[sample_seqs] if self.samples else sample_seqs[:0]]
+            inputs.narrow(np.concatenate(rows + [p.rows for p in echo_plans]), len(rows[0]))
+        outputs = self.model.execute(inputs).to_host()
+        if narrowed:
+            return inputs, outputs, sample_seqs, outputs.logits
+        echo = outputs.logits[np.concatenate([p.rows for p in echo_plans])] if echo_plans \
+            else None
+        return inputs, outputs, np.arange(len(contexts)), echo
 
     def _new_state(self, new: NewRequest) -> RequestSamplingState:
         """A request's sampling state. One that cannot be built (or whose JSON schema does
@@ -273,16 +292,20 @@ class ModelRunner:
         self.model.release(request_id)
 
     def _sample(self, out: StepResult, inputs: ModelInputs | None, outputs: ModelOutputs,
-                states: list[RequestSamplingState], sample_seqs: np.ndarray,
-                failed: dict[int, str]) -> None:
-        """A token for each of `sample_seqs`, drawn as one batch. A row whose logits
-        processing, grammar, draw or log probabilities raise is added to `failed` alone (the
-        batched calls are redone row by row only when they raise: nothing per token)."""
+                logit_seqs: np.ndarray, states: list[RequestSamplingState],
+                sample_seqs: np.ndarray, failed: dict[int, str]) -> None:
+        """A token for each of `sample_seqs`, drawn as one batch (`logit_seqs`: the sequence
+        of each row of the outputs' next_token_logits). A row whose logits processing,
+        grammar, draw or log probabilities raise is added to `failed` alone (the batched
+        calls are redone row by row only when they raise: nothing per token)."""
         batch_states = [states[i] for i in sample_seqs]
         top_n = [st.logprobs for st in batch_states]
-        # Log probabilities are of the raw logits: sampling adjusts a copy when they are asked.
+        at = np.searchsorted(logit_seqs, sample_seqs)  # (each sampled row's in the outputs)
+        whole = len(at) == len(logit_seqs)
         logits = outputs.next_token_logits
-        logits = logits.clone() if any(top_n) else logits
+        logits = logits if whole else logits[torch.from_numpy(at)]
+        # Log probabilities are of the raw logits: sampling adjusts a copy when they are asked.
+        logits = logits.clone() if any(top_n) and whole else logits
         errors: dict[int, str] = {}  # rows of this batch
         if failed:  # (its inputs failed: sampled for the batch's sake, never kept)
             errors = {j: failed[s] for j, s in enumerate(sample_seqs.tolist()) if s in failed}
@@ -298,7 +321,10 @@ class ModelRunner:
         if errors:
             tokens[list(errors)] = 0  # (a valid index for the log probabilities; never sent)
             top_n = [0 if j in errors else n for j, n in enumerate(top_n)]
-        logprobs = self._logprobs(inputs, outputs, tokens, top_n, errors)
+        logprobs = None
+        if any(top_n):
+            logprobs = self._logprobs(inputs, outputs, at, len(logit_seqs), tokens, top_n,
+                                      errors)
         out.sampled_token_ids[sample_seqs] = tokens.numpy()
         for j, (st, token) in enumerate(zip(batch_states, tokens.tolist())):
             if j not in errors:
@@ -309,16 +335,19 @@ class ModelRunner:
         for j, error in errors.items():
             failed.setdefault(int(sample_seqs[j]), error)
 
-    def _logprobs(self, inputs: ModelInputs | None, outputs: ModelOutputs, tokens: torch.Tensor,
-                  top_n: list[int], errors: dict[int, str]) -> TokenLogprobs | None:
-        """The sampled tokens' log probabilities for the rows that asked (`top_n`), by the
-        model's `compute_log_probabilities`, packed for the wire: every row that asks gets the
+    def _logprobs(self, inputs: ModelInputs | None, outputs: ModelOutputs, at: np.ndarray,
+                  num_rows: int, tokens: torch.Tensor, top_n: list[int],
+                  errors: dict[int, str]) -> TokenLogprobs | None:
+        """The sampled tokens' log probabilities for the rows that asked (`top_n`; `at`:
+        their rows of the outputs, of `num_rows`), by the model's
+        `compute_log_probabilities`, packed for the wire: every row that asks gets the
         batch's widest top-n (the API process keeps each request's own). All at once; should
         that raise, row by row, a row that raises failing alone (its top_n then 0)."""
         width = max(top_n)
         asked = [width if n else 0 for n in top_n]
         try:
-            return pack_logprobs(self._model_logprobs(inputs, outputs, tokens, asked), width)
+            return pack_logprobs(self._model_logprobs(inputs, outputs, at, num_rows, tokens,
+                                                      asked), width)
         except Exception:
             pass
         parts = []
@@ -328,20 +357,28 @@ class ModelRunner:
             alone = [0] * len(asked)
             alone[j] = width
             try:
-                parts += self._model_logprobs(inputs, outputs, tokens, alone)
+                parts += self._model_logprobs(inputs, outputs, at, num_rows, tokens, alone)
             except Exception as exc:
                 errors[j] = f"log probabilities: {describe(exc)}"
                 top_n[j] = 0
         return pack_logprobs(parts, width) if parts else None
 
     def _model_logprobs(self, inputs: ModelInputs | None, outputs: ModelOutputs,
-                        tokens: torch.Tensor, top_n: list[int]) -> list[LogProbabilities]:
-        """The model's log probabilities of the rows that ask, in order."""
-        results = self.model.compute_log_probabilities(inputs, outputs, tokens, top_n,
-                                                       [False] * len(top_n))
-        if results is None or len(results) != len(top_n):
+                        at: np.ndarray, num_rows: int, tokens: torch.Tensor,
+                        top_n: list[int]) -> list[LogProbabilities]:
+        """The model's log probabilities of the sampled rows that ask, in order. Echo is
+        not asked of it (batch_echo all False): a prompt's rows span prefill chunks, and the
+        runner resolves them across steps (worker/logprobs.py, `_echo`)."""
+        next_tokens = torch.zeros(num_rows, dtype=tokens.dtype)
+        next_tokens[torch.from_numpy(at)] = tokens
+        batch_top_n = [0] * num_rows
+        for row, n in zip(at.tolist(), top_n):
+            batch_top_n[row] = n
+        results = self.model.compute_log_probabilities(inputs, outputs, next_tokens,
+                                                       batch_top_n, [False] * num_rows)
+        if results is None or len(results) != num_rows:
             raise ValueError("compute_log_probabilities gave no entry for every row")
-        wanted = [results[j] for j, n in enumerate(top_n) if n]
+        wanted = [results[row] for row, n in zip(at.tolist(), top_n) if n]
         if any(lp is None for lp in wanted):
             raise ValueError("compute_log_probabilities gave None for a row that asked")
         return wanted
@@ -413,19 +450,9 @@ def check_step(step: StepBatch, num_blocks: int, block_size: int, max_model_len:
         raise ValueError(f"step {step.step_id}: a token id outside [0, {vocab_size})")
 
 
-def _realize_future_tokens(step: StepBatch, states: list[RequestSamplingState]) -> np.ndarray:
-    """The step's input ids, each FUTURE_TOKEN placeholder (a step scheduled before the one
-    before it finished) replaced by the token this worker sampled last for that sequence."""
-    ids = step.input_ids.astype(np.int64)
-    future = np.flatnonzero(ids == FUTURE_TOKEN)
-    if len(future):
-        seqs = np.searchsorted(np.cumsum(step.query_lens), future, side="right")
-        for row, seq in zip(future.tolist(), seqs.tolist()):
-            # (Nothing sampled: the step that should have failed, and the scheduler has
-            # already ended the request; any token will do for its last, discarded row.)
-            outputs = states[seq].output_tokens
-            ids[row] = outputs[-1] if outputs else 0
-    return ids
+def fed_tokens(contexts: list[TextContext]) -> np.ndarray:
+    """The tokens the contexts feed this step (their windows), back to back."""
+    return np.concatenate([ctx.next_tokens for ctx in contexts])
 
 
 def _weights_name(quantization: str | None, dtype: torch.dtype) -> str:
@@ -450,21 +477,16 @@ def _quantization_on(device: torch.device, quantization: str | None) -> str | No
 
 
 def _tensor_parallel_plan(size: int, rank: int, config: ModelConfig,
-                          quantization: str | None) -> ShardPlan | None:
+                          cls: type[PipelineModel]) -> ShardPlan | None:
     """This rank's shard of the model, or None when one worker holds it all."""
     if size == 1:
         return None
     if world_size() != size:
         raise RuntimeError("the tensor-parallel process group is not set up")
-    if config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+    if not cls.supports_tensor_parallel:
         raise ValueError(f"--tensor-parallel-size: {config.architecture} is not split yet "
                          f"(text models of the Llama family and Gemma 3 are)")
     return ShardPlan.for_rank(config, rank, size)
-
-
-# Whose layers call all_reduce after their row-parallel projections (vision encoders do not).
-TENSOR_PARALLEL_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
 
 
 def _build_custom_model(cls: type, pipeline_config: PipelineConfig, device: torch.device,
@@ -477,15 +499,18 @@ def _build_custom_model(cls: type, pipeline_config: PipelineConfig, device: torc
     return cls(pipeline_config, device)
 
 
-def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, model_path: str,
-                 quantization: str | None = None, shard: ShardPlan | None = None,
+def _build_model(cls: type[PipelineModel], pipeline_config: PipelineConfig,
+                 config: ModelConfig, dtype: torch.dtype, quantization: str | None = None,
+                 shard: ShardPlan | None = None,
                  device: torch.device = torch.device("cpu")) -> PipelineModel:
+    """One of Loom's models, `cls(pipeline_config, session)` (this rank's `shard` of it),
+    with its weights loaded in the layout its kernels want."""
     full_config = config
-    if shard is not None:
-        config = shard.config(config)
+    model_path = pipeline_config.model_config.model_path
     # Built on the meta device so no time is spent initialising weights we overwrite.
     with torch.device("meta"):
-        model = model_class(config)(config, max_positions)
+        model = cls(pipeline_config, device, shard=shard) if shard is not None \
+            else cls(pipeline_config, device)
     if quantization is not None:
         if dtype != torch.float32:
             raise ValueError("quantized weights compute in float32: use --dtype float32")

@@ -16,6 +16,9 @@ and which tokens each step feeds) comes from the pipeline's step source, MAX's K
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
 from pipelines.config import PipelineConfig
@@ -52,7 +55,8 @@ class TextGenerationPipeline:
             step = self.steps.layout(batch)
             if step is None:
                 break
-            self.last_result = self.runner.next_token(step.batch)
+            with self.steps.feeding(step) as contexts:
+                self.last_result = self.runner.next_token(step.batch, contexts)
             responses.append(self.steps.commit(step, self.last_result))
         return responses
 
@@ -82,13 +86,30 @@ class ScheduledSteps:
         # A decode of the token this worker sampled last (FUTURE_TOKEN) finds its context as
         # that update left it; the others (prompt chunks, a preempted request's recomputed
         # tokens, a token given outright) are written into their contexts' windows.
-        for i in np.flatnonzero((q != 1) | (ids[starts] != FUTURE_TOKEN)).tolist():
+        future = (q == 1) & (ids[starts] == FUTURE_TOKEN)
+        for i in np.flatnonzero(~future).tolist():
             ctx, n, s, start = contexts[i], int(q[i]), int(seq_lens[i]), int(starts[i])
             ctx.tokens[s - n : s] = ids[start : start + n]
             ctx.set_token_indices(start_idx=s - n, active_idx=s)
+        if future.any():
+            self._stand_in_for_done(contexts, np.flatnonzero(future), seq_lens)
         self._step = ScheduledStep(step, contexts, [])
         return {ctx.request_id: ctx for ctx in contexts}
 
+    @staticmethod
+    def _stand_in_for_done(contexts: list[TextContext], future: np.ndarray,
+                           seq_lens: np.ndarray) -> None:
+        """A FUTURE_TOKEN decode whose context took no token from the step before (it ended,
+        or failed, while the scheduler built this step ahead of that result) feeds a
+        stand-in."""
+        for i in future.tolist():
+            ctx, s = contexts[i], int(seq_lens[i])
+            if ctx.start_idx != s - 1 or ctx.active_idx != s:
+                contexts[i] = stand_in(ctx, s)
+
+    @contextmanager
+    def feeding(self, step: ScheduledStep) -> Iterator[list[TextContext]]:
+        yield step.contexts  # (`receive` set their windows)
     def _new_context(self, new: NewRequest) -> TextContext:
         tokens = new.prompt_token_ids if new.prompt_token_ids is not None \
             else np.zeros(new.prompt_len, np.int64)  # (then filled in by the chunks)
@@ -142,6 +163,7 @@ class LocalSteps:
     KV blocks and builds each step; its `update` applies the tokens to the contexts."""
 
     def __init__(self, runner: ModelRunner, pipeline_config: PipelineConfig) -> None:
+        self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, runner.block_size,
                                    pipeline_config.kv_cache_config.enable_prefix_caching)
         # (A tree not resolved by `loom serve` gets the model's context length from the runner.)
@@ -150,7 +172,14 @@ class LocalSteps:
 
     def layout(self, batch: dict[str, TextContext]) -> ScheduledStep | None:
         self._admit(batch)
-        return self.scheduler.schedule() if self.scheduler.has_work else None
+        step = self.scheduler.schedule() if self.scheduler.has_work else None
+        if step is not None:
+            self.runner.check(step.batch)
+        return step
+
+    @staticmethod
+    def feeding(step: ScheduledStep):
+        return feeding(step)
 
     def commit(self, step: ScheduledStep, result: StepResult) -> dict[str, TextResponse]:
         outputs = self.scheduler.update(step, result)
@@ -172,3 +201,38 @@ class LocalSteps:
         for ctx in batch.values():
             if not ctx.is_done and ctx.request_id not in self.scheduler.requests:
                 self.scheduler.add_request(ctx)
+
+
+@contextmanager
+def feeding(step: ScheduledStep) -> Iterator[list[TextContext]]:
+    """The Scheduler's step's contexts, each window at the tokens the step feeds it, for the
+    model (the Scheduler moves them on as it builds a step, so that the next can be built
+    before this one's result); then as the Scheduler left them."""
+    contexts, batch = list(step.contexts), step.batch
+    kept = [(ctx.start_idx, ctx.active_idx) for ctx in contexts]
+    for i, (n, s) in enumerate(zip(batch.query_lens.tolist(), batch.seq_lens.tolist())):
+        if s > contexts[i].end_idx:  # (it ended before this step, built ahead, ran)
+            contexts[i] = stand_in(contexts[i], s)
+        else:
+            contexts[i].set_token_indices(start_idx=s - n, active_idx=s)
+    try:
+        yield contexts
+    finally:
+        for ctx, (start, active) in zip(step.contexts, kept):
+            ctx.set_token_indices(start_idx=start, active_idx=active)
+
+
+def stand_in(ctx: TextContext, seq_len: int) -> TextContext:
+    """What a context that ended feeds in a decode step built before it ended: its row is
+    discarded, so any token will do at its last position."""
+    done = TextContext(request_id=ctx.request_id, tokens=np.zeros(seq_len, np.int64),
+                       max_length=seq_len + 1, status=ctx.status)
+    done.set_token_indices(start_idx=seq_len - 1)
+    return done
+
+
+def run_step(runner: ModelRunner, step: ScheduledStep) -> StepResult:
+    """One step of an in-process Scheduler through the runner (tests and benchmarks that
+    drive the Scheduler themselves)."""
+    with feeding(step) as contexts:
+        return runner.next_token(step.batch, contexts)

@@ -256,10 +256,7 @@ def _text_step(pipeline, speech, msg: StepBatch) -> StepResult:
             pipeline.release(ctx)
     # (Checked before the step's tokens are written into the contexts: a corrupted step is
     # refused whole and leaves every running request as it was.)
-    from worker.model_runner import check_step
-
-    check_step(msg, runner.num_blocks, runner.block_size, runner.max_model_len,
-               runner.config.vocab_size)
+    runner.check(msg)
     pipeline.next_token(steps.receive(msg))
     return pipeline.last_result
 

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig
-from pipelines.pipeline import PagedCausalLM
+from pipelines.config import PipelineConfig
+from pipelines.pipeline import PagedCausalLM, checkpoint_config
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, sliding_window_metadata, store_kv
 from worker.models.llama import (
@@ -39,7 +40,7 @@ from worker.models.llama import (
     apply_rotary,
     load_fused_hf_weights,
 )
-from worker.tensor_parallel import all_reduce
+from worker.tensor_parallel import ShardPlan, all_reduce
 from worker.weights import empty_embedding
 
 SLIDING = "sliding_attention"
@@ -178,8 +179,13 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module, PagedCausalLM):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, pipeline_config: PipelineConfig, session: torch.device,
+                 shard: ShardPlan | None = None) -> None:
         super().__init__()
+        PagedCausalLM.__init__(self, pipeline_config, session)
+        config, max_positions = checkpoint_config(pipeline_config, shard)
         if config.layer_types is None or config.query_pre_attn_scalar is None:
             raise ValueError("a Gemma 3 model needs a Gemma 3 config (layer_types, "
                              "query_pre_attn_scalar)")

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.checkpoint.model_config import ModelConfig, VisionConfig
+from pipelines.checkpoint.model_config import VisionConfig
+from pipelines.config import PipelineConfig
 from serialization.messages import StepImage
 from worker.models.llama import load_fused_hf_weights
 from worker.models.vision_language import (
@@ -154,8 +155,9 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
 
 
 class Idefics3ForConditionalGeneration(VisionLanguageModel):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__(config, max_positions)
+    def __init__(self, pipeline_config: PipelineConfig, session: torch.device) -> None:
+        super().__init__(pipeline_config, session)
+        config = self.config
         v = config.vision
         self.vision_model = VisionEncoder(v)
         self.connector = nn.Linear(v.hidden_size * v.scale_factor**2, config.hidden_size,

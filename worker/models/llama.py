@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig
-from pipelines.pipeline import PagedCausalLM
+from pipelines.config import PipelineConfig
+from pipelines.pipeline import PagedCausalLM, checkpoint_config
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, store_kv
-from worker.tensor_parallel import all_reduce
+from worker.tensor_parallel import ShardPlan, all_reduce
 from worker.weights import empty_embedding
 
 
@@ -196,8 +197,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module, PagedCausalLM):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    supports_tensor_parallel = True  # (its row-parallel projections all-reduce)
+
+    def __init__(self, pipeline_config: PipelineConfig, session: torch.device,
+                 shard: ShardPlan | None = None) -> None:
+        """`shard`: this tensor-parallel rank's part of the checkpoint (None: all of it)."""
         super().__init__()
+        PagedCausalLM.__init__(self, pipeline_config, session)
+        config, max_positions = checkpoint_config(pipeline_config, shard)
         self.config = config
         self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))

@@ -15,6 +15,7 @@ embeddings across the steps of a chunked prefill.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.checkpoint.model_config import ModelConfig, Qwen2VisionConfig
+from pipelines.checkpoint.model_config import Qwen2VisionConfig
+from pipelines.config import PipelineConfig
 from pipelines.pipeline import PagedModelInputs
 from serialization.messages import StepImage
 from worker.attention import AttentionMetadata
@@ -160,8 +162,9 @@ class MRopeModelInputs(VisionModelInputs):
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__(config, max_positions)
+    def __init__(self, pipeline_config: PipelineConfig, session: torch.device) -> None:
+        super().__init__(pipeline_config, session)
+        config = self.config
         self.visual = VisionTransformer(config.vision, config.hidden_size)
         self.mrope = MRopePositions()
         dim = config.head_dim
@@ -169,20 +172,19 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
             torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
 
     # ---- M-RoPE ----------------------------------------------------------------------------
-    def prepare_initial_token_inputs(self, step, input_ids, logits_rows, num_sampled, kv_cache,
-                                     block_size):
-        for new in step.new_requests:
+    def prepare_initial_token_inputs(self, context_batch, kv_cache_inputs=None,
+                                     return_n_logits=1, step=None):
+        for new in step.new_requests if step is not None else ():
             if new.rope_positions is not None:
                 self.mrope.add(new.request_id, new.rope_positions, new.prompt_len)
-        inputs = super().prepare_initial_token_inputs(step, input_ids, logits_rows,
-                                                      num_sampled, kv_cache, block_size)
+        inputs = super().prepare_initial_token_inputs(context_batch, kv_cache_inputs,
+                                                      return_n_logits, step)
         return self._with_positions(inputs)
 
     def prepare_next_token_inputs(self, next_tokens, prev_model_inputs):
         base = super().prepare_next_token_inputs(next_tokens, prev_model_inputs)
         return self._with_positions(VisionModelInputs(
-            **vars(base), request_ids=prev_model_inputs.request_ids,
-            query_lens=np.ones(len(base.seq_lens), dtype=np.int64)))
+            **vars(base), request_ids=prev_model_inputs.request_ids))
 
     def _with_positions(self, m: VisionModelInputs) -> MRopeModelInputs:
         """The step's metadata with its tokens' rotary positions: shifted (text only: the
@@ -193,12 +195,13 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
             return out
         meta = m.attention
         if uniform(positions):
-            out.attention = AttentionMetadata(torch.from_numpy(positions[0].copy()),
-                                              meta.slot_mapping, meta.groups)
+            shifted = torch.from_numpy(positions[0].copy())
         else:
             out.rotary = mrope_tables(positions, self.inv_freq, self.config.mrope_section)
-            out.attention = AttentionMetadata(torch.arange(positions.shape[1]),
-                                              meta.slot_mapping, meta.groups)
+            shifted = torch.arange(positions.shape[1])
+        out.kv_cache_inputs = dataclasses.replace(
+            m.kv_cache_inputs,
+            attention=AttentionMetadata(shifted, meta.slot_mapping, meta.groups))
         return out
 
     def decode(self, hidden: torch.Tensor, m: PagedModelInputs) -> torch.Tensor:

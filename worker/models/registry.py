@@ -3,7 +3,8 @@ vision encoder on the Llama family's), or the Llama family's for the rest; a
 --custom-architectures class (pipelines/custom_architectures.py) before any of them.
 
 All are `PipelineModel`s (pipelines/pipeline.py: the runner drives them through it), built
-with `(config, max_positions)`. For the loader they also offer `load_hf_weights(weights)`,
+as `cls(pipeline_config, session)` (a tensor-parallel rank's with `shard=`, where the class
+`supports_tensor_parallel`). For the loader they also offer `load_hf_weights(weights)`,
 `compute_dtype`, `compute_in_float32()`, `use_fast_weight_layout()` and a `fused_decode`
 attribute (None until the runner sets it; Gemma 3 never uses it).
 """

@@ -44,13 +44,16 @@ class VisionModelInputs(PagedModelInputs):
     """A step's inputs with what the image merge needs: the sequences and the images sent."""
 
     request_ids: list[str] = field(default_factory=list)
-    query_lens: np.ndarray | None = None
     images: list[StepImage] = field(default_factory=list)
 
 
 class VisionLanguageModel(LlamaForCausalLM):
-    def __init__(self, config, max_positions: int) -> None:
-        super().__init__(config, max_positions)
+    supports_tensor_parallel = False  # (the vision encoders do not all-reduce)
+    # The runner passes the step (its images, its new requests) to prepare_initial_token_inputs.
+    reads_step = True
+
+    def __init__(self, pipeline_config, session) -> None:
+        super().__init__(pipeline_config, session)
         self.image_cache = VisionEmbeddingCache()
 
     # ---- what a model brings ---------------------------------------------------------------
@@ -65,12 +68,14 @@ class VisionLanguageModel(LlamaForCausalLM):
         return self.forward_embeddings(hidden, m.attention, m.kv_cache, m.logits_rows)
 
     # ---- PipelineModel ---------------------------------------------------------------------
-    def prepare_initial_token_inputs(self, step, input_ids, logits_rows, num_sampled, kv_cache,
-                                     block_size):
-        base = super().prepare_initial_token_inputs(step, input_ids, logits_rows, num_sampled,
-                                                    kv_cache, block_size)
-        return VisionModelInputs(**vars(base), request_ids=step.request_ids,
-                                 query_lens=step.query_lens, images=step.images)
+    def prepare_initial_token_inputs(self, context_batch, kv_cache_inputs=None,
+                                     return_n_logits=1, step=None):
+        """`step`: the StepBatch the contexts run in, whose images are encoded now."""
+        base = super().prepare_initial_token_inputs(context_batch, kv_cache_inputs,
+                                                    return_n_logits)
+        return VisionModelInputs(**vars(base),
+                                 request_ids=[ctx.request_id for ctx in context_batch],
+                                 images=step.images if step is not None else [])
 
     def execute(self, model_inputs):
         m = model_inputs
