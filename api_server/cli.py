@@ -18,7 +18,7 @@ from pipelines.config import (
     SamplingParamsDefaults,
     SpeculativeConfig,
 )
-from pipelines.flags import add_flags
+from pipelines.flags import add_flags, expand_group_flags
 from pipelines.status import PipelineTask
 
 
@@ -40,7 +40,8 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
     """The tree of the flags given (the defaults for the others), resolved as far as it can be
     without reading the model: its path or alias, id, weight formats, task and devices, and
     every setting checked. `resolve_model` reads the model for the rest."""
-    settings = {name: value for name, value in vars(args).items() if name != "command"}
+    settings = expand_group_flags(
+        {name: value for name, value in vars(args).items() if name != "command"})
     cfg = PipelineConfig().replace(**settings)
     # (Flags first: a wrong one is named even where the model cannot be found.)
     devices = resolve_devices(cfg.devices)

@@ -170,6 +170,43 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.suffix_decoding_max_tree_depth if self.speculative_method == "suffix" else 5
 
 
+# vLLM's --speculative-config JSON: its fields and methods, as Loom's settings.
+VLLM_SPECULATIVE_FIELDS = {
+    "method": "speculative_method", "model": "draft_model_path",
+    **{name: name for name in (
+        "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")}}
+VLLM_SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft"}
+
+
+def parse_speculative_config(text: str) -> dict:
+    """vLLM's JSON ({"method": "ngram", "num_speculative_tokens": 5, ...}) as settings."""
+    import json
+
+    try:
+        given = json.loads(text)
+    except ValueError:
+        given = None
+    if not isinstance(given, dict):
+        raise ArgumentTypeError(f"not a JSON object: {text}")
+    unknown = set(given) - set(VLLM_SPECULATIVE_FIELDS)
+    if unknown:
+        raise ArgumentTypeError(f"{', '.join(sorted(unknown))}: not among the fields Loom "
+                                f"takes ({', '.join(VLLM_SPECULATIVE_FIELDS)})")
+    if "method" in given:
+        if given["method"] not in VLLM_SPECULATIVE_METHODS:
+            raise ArgumentTypeError(f"method {given['method']}: not "
+                                    f"{', '.join(VLLM_SPECULATIVE_METHODS)}")
+        given["method"] = VLLM_SPECULATIVE_METHODS[given["method"]]
+    settings = {VLLM_SPECULATIVE_FIELDS[key]: value for key, value in given.items()}
+    try:
+        msgspec.convert(settings, SpeculativeConfig)
+    except msgspec.ValidationError as exc:
+        raise ArgumentTypeError(str(exc)) from None
+    return settings
+
+
 class SpeechConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_speech: Annotated[bool, Flag(
         "serve the default voice on /v1/audio/speech beside a text model (when the [tts] "
@@ -310,7 +347,11 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "the CPU", names=("--devices", "--device"))] = "auto"
     device_config: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
     speech_config: SpeechConfig = msgspec.field(default_factory=SpeechConfig)
-    speculative_config: SpeculativeConfig = msgspec.field(
+    speculative_config: Annotated[SpeculativeConfig, Flag(
+        "vLLM's spelling of the speculative settings, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 5}' (method: ngram, suffix or draft_model; model: the "
+        "draft model); each setting's own flag wins", names=("--speculative-config",),
+        parse=parse_speculative_config, metavar="JSON")] = msgspec.field(
         default_factory=SpeculativeConfig)
     server_config: ServerConfig = msgspec.field(default_factory=ServerConfig)
 

@@ -75,6 +75,34 @@ def _owned_settings(struct_type: type) -> typing.Iterator[tuple]:
             yield struct_type, field.name, base, field.default, flag
 
 
+def group_flags(struct_type: type) -> typing.Iterator[tuple[type, str, Flag]]:
+    """(the group's Struct, its name, its flag) of each group with a flag of its own: one
+    argument for several of its settings (vLLM's --speculative-config JSON), parsed into
+    {setting name: value}."""
+    hints = typing.get_type_hints(struct_type, include_extras=True)
+    for field in msgspec.structs.fields(struct_type):
+        base, extras = hints[field.name], ()
+        if typing.get_origin(base) is typing.Annotated:
+            base, *extras = typing.get_args(base)
+        if isinstance(base, type) and issubclass(base, msgspec.Struct):
+            flag = next((x for x in extras if isinstance(x, Flag)), None)
+            if flag is not None:
+                yield base, field.name, flag
+            yield from group_flags(base)
+
+
+def expand_group_flags(settings: dict) -> dict:
+    """The settings of the flags given, a group flag's spread out; a setting's own flag wins
+    over a group flag's value for it."""
+    expanded = {}
+    for name, value in settings.items():
+        if isinstance(value, dict):
+            expanded = {**value, **expanded}
+        else:
+            expanded[name] = value
+    return expanded
+
+
 def flag_names(name: str, flag: Flag) -> tuple[str, ...]:
     return flag.names or ("--" + name.replace("_", "-"),)
 
@@ -91,6 +119,10 @@ def add_flags(parser: argparse.ArgumentParser, struct_type: type) -> None:
         if owner not in groups:
             groups[owner] = parser.add_argument_group(owner.__name__)
         _add_flag(groups[owner], name, base, default, flag)
+    for group, name, flag in group_flags(struct_type):
+        groups.get(group, parser).add_argument(
+            *flag_names(name, flag), dest=name, default=argparse.SUPPRESS, help=flag.help,
+            type=flag.parse, metavar=flag.metavar)
 
 
 def _add_flag(parser, name: str, base: Any, default: Any, flag: Flag) -> None:

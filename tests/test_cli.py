@@ -70,7 +70,10 @@ def test_max_and_vllm_spellings_land_on_the_same_setting(tiny_model_dir):
              (["--no-enable-prefix-caching"], ["--no-prefix-caching"]),
              (["--model-path", "/elsewhere"], ["--model", "/elsewhere"]),
              (["--prompt-lookup-max", "6"], ["--ngram-prompt-lookup-max", "6"]),
-             (["--prompt-lookup-min", "1"], ["--ngram-prompt-lookup-min", "1"])]
+             (["--prompt-lookup-min", "1"], ["--ngram-prompt-lookup-min", "1"]),
+             (["--num-speculative-tokens", "3", "--suffix-decoding-min-token-prob", "0.5"],
+              ["--speculative-config", '{"num_speculative_tokens": 3, '
+                                       '"suffix_decoding_min_token_prob": 0.5}'])]
     default = config()
     for max_flags, vllm_flags in pairs:
         assert config(*max_flags) == config(*vllm_flags) != default, max_flags
@@ -93,13 +96,27 @@ def test_speculative_decoding_is_refused_until_served(tiny_model_dir, capsys):
     from api_server.cli import main
     from pipelines.config import PipelineConfig
 
-    for flags in (["--speculative-method", "ngram"],
-                  ["--speculative-method", "suffix", "--num-speculative-tokens", "8"],
-                  ["--speculative-method", "draft", "--draft-model-path", tiny_model_dir]):
+    draft = '{"method": "draft_model", "model": "%s"}' % tiny_model_dir
+    for flags, method in ((["--speculative-method", "ngram"], "ngram"),
+                          (["--speculative-method", "suffix", "--num-speculative-tokens", "8"],
+                           "suffix"),
+                          (["--speculative-method", "draft", "--draft-model-path",
+                            tiny_model_dir], "draft"),
+                          (["--speculative-config", draft], "draft"),  # (vLLM's spelling)
+                          (["--speculative-config", '{"method": "suffix"}',
+                            "--speculative-method", "ngram"], "ngram")):  # (the flag wins)
         assert main(["serve", "--model", tiny_model_dir, *flags]) == 1
         err = capsys.readouterr().err
-        assert err.startswith(f"loom: error: --speculative-method {flags[1]}: not served yet")
+        assert err.startswith(f"loom: error: --speculative-method {method}: not served yet")
         assert err.count("\n") == 1
+    for config, problem in (('{"method": "eagle"}', "method eagle: not ngram, suffix"),
+                            ('{"n": 3}', "n: not among the fields"),
+                            ('{"num_speculative_tokens": "3"}',
+                             "got `str` - at `$.num_speculative_tokens`"),
+                            ("ngram", "not a JSON object")):
+        with pytest.raises(SystemExit):
+            main(["serve", "--speculative-config", config])
+        assert problem in capsys.readouterr().err
     for flags, problem in ((["--speculative-method", "draft"], "--draft-model-path"),
                            (["--prompt-lookup-min", "5"], "--prompt-lookup-min"),
                            (["--num-speculative-tokens", "0"], "--num-speculative-tokens")):
