@@ -91,7 +91,8 @@ def _check_model_class(spec: str, cls) -> None:
     from pipelines.pipeline import PipelineModel
 
     if not (isinstance(cls, type) and issubclass(cls, PipelineModel)):
-        raise CustomArchitectureError(f"--custom-architectures {spec}: {cls!r} is not a "
+        name = getattr(cls, "__name__", repr(cls))
+        raise CustomArchitectureError(f"--custom-architectures {spec}: {name} is not a "
                                       f"subclass of pipelines.pipeline.PipelineModel")
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
