@@ -146,7 +146,7 @@ class _StepLoop:
     """Runs hand-built steps through the runner, timing each forward pass."""
 
     def __init__(self, runner, block_size: int) -> None:
-        self.runner = runner
+        self.worker = st.WorkerSteps(runner)
         self.block_size = block_size
         self.step_id = 0
 
@@ -154,10 +154,8 @@ class _StepLoop:
         batch = st.build_step(self.step_id, chunks, self.block_size)
         self.step_id += 1
         started = time.perf_counter()
-        output = self.runner.next_token(batch)
+        sampled = self.worker.run(batch)
         elapsed = time.perf_counter() - started
-        # execute() returns the token array, or (newer runners) an object carrying it.
-        sampled = getattr(output, "sampled_token_ids", output)
         st.apply_step(chunks, batch, sampled)
         return elapsed
 
@@ -168,7 +166,7 @@ class _StepLoop:
         return times
 
     def finish(self, seqs) -> None:
-        self.runner.next_token(st.finish_step(self.step_id, seqs))
+        self.worker.run(st.finish_step(self.step_id, seqs))
         self.step_id += 1
 
 

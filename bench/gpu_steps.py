@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from bench.steps import (
+    WorkerSteps,
     apply_step,
     build_step,
     decode_chunks,
@@ -64,21 +65,22 @@ def decode_step_times(runner: ModelRunner, batch: int, prompt_len: int, steps: i
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(100, 40000, prompt_len).tolist() for _ in range(batch)]
     seqs = make_sequences(prompts, prompt_len + steps + 8, BLOCK, tag=tag)
+    worker = WorkerSteps(runner)
     step_id = 0
     while chunks := prefill_chunks(seqs, 2048):
         step = build_step(step_id, chunks, BLOCK)
-        apply_step(chunks, step, runner.next_token(step).sampled_token_ids)
+        apply_step(chunks, step, worker.run(step))
         step_id += 1
     times = []
     for _ in range(steps + 3):
         chunks = decode_chunks(seqs)
         step = build_step(step_id, chunks, BLOCK)
         started = time.perf_counter()
-        result = runner.next_token(step)  # (ends with the logits' copy: synchronous)
+        sampled = worker.run(step)  # (ends with the logits' copy: synchronous)
         times.append(time.perf_counter() - started)
-        apply_step(chunks, step, result.sampled_token_ids)
+        apply_step(chunks, step, sampled)
         step_id += 1
-    runner.next_token(finish_step(step_id, seqs))
+    worker.run(finish_step(step_id, seqs))
     return times[3:]
 
 

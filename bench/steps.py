@@ -57,8 +57,9 @@ def build_step(step_id: int, chunks: list[tuple[Sequence, int]], block_size: int
         query_lens[i] = n
         seq_lens[i] = seq.computed + n
         sample[i] = seq.computed + n == len(seq.tokens)
-        if not seq.announced:
-            new_requests.append(NewRequest(seq.request_id, GREEDY))
+        if not seq.announced:  # (the prompt, as the scheduler sends it)
+            new_requests.append(NewRequest(seq.request_id, GREEDY, prompt_len=len(seq.tokens),
+                                           prompt_token_ids=np.asarray(seq.tokens)))
             seq.announced = True
     tables = _block_tables([seq for seq, _ in chunks], seq_lens, block_size)
     return StepBatch(
@@ -71,6 +72,25 @@ def build_step(step_id: int, chunks: list[tuple[Sequence, int]], block_size: int
         sample=sample,
         new_requests=new_requests,
     )
+
+
+class WorkerSteps:
+    """Hand-built steps through a runner as the worker process runs them: its
+    TextGenerationPipeline, which keeps a context per request (worker/process.py)."""
+
+    def __init__(self, runner) -> None:
+        from worker.pipeline import ScheduledSteps, TextGenerationPipeline
+
+        self.pipeline = TextGenerationPipeline(runner, ScheduledSteps(runner.max_model_len))
+
+    def run(self, batch: StepBatch) -> np.ndarray:
+        """The step's sampled token ids; raises what the step raised."""
+        from worker.process import answer_step
+
+        result = answer_step(self.pipeline, None, batch, 0.0)
+        if result.error is not None:
+            raise RuntimeError(f"step {batch.step_id}: {result.error}")
+        return result.sampled_token_ids
 
 
 def _block_tables(seqs: list[Sequence], seq_lens: np.ndarray, block_size: int) -> np.ndarray:
