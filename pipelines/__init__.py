@@ -2,6 +2,7 @@
 
 from pipelines.context import TextContext
 from pipelines.interfaces import PipelineTokenizer, TokenGenerator
+from pipelines.pixel_context import GenerationOutput, PixelContext
 from pipelines.request import (
     TokenGeneratorRequest,
     TokenGeneratorRequestFunction,
@@ -15,11 +16,13 @@ from pipelines.status import GenerationStatus, PipelineTask, TextGenerationStatu
 from pipelines.vision_context import ImageMetadata, InputError, TextAndVisionContext
 
 __all__ = [
+    "GenerationOutput",
     "GenerationStatus",
     "ImageMetadata",
     "InputError",
     "LogProbabilities",
     "PipelineTask",
+    "PixelContext",
     "PipelineTokenizer",
     "SamplingParams",
     "SamplingParamsError",

@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, in one place.
 
 Channels (all ZMQ PUSH/PULL, one direction each):
-  API -> scheduler    requests:  TextContext (TextAndVisionContext), EmbeddingsContext, TTSContext
+  API -> scheduler    requests:  TextContext (TextAndVisionContext), EmbeddingsContext, TTSContext,
+                                 PixelContext
   API -> scheduler    cancel:    CancelRequest
   scheduler -> API    responses: ResponseBatch | SchedulerReady | SchedulerFailed
   scheduler -> worker steps:     StepBatch | Shutdown
@@ -20,6 +21,7 @@ import numpy as np
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
+from pipelines.pixel_context import PixelContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
 from pipelines.speech_context import TTSContext
@@ -246,7 +248,8 @@ class WorkerFailed(msgspec.Struct, tag=True):
     message: str
 
 
-RequestMessage = Union[TextContext, TextAndVisionContext, EmbeddingsContext, TTSContext]
+RequestMessage = Union[TextContext, TextAndVisionContext, EmbeddingsContext, TTSContext,
+                       PixelContext]
 ResponseMessage = Union[ResponseBatch, SchedulerReady, SchedulerFailed]
 StepMessage = Union[StepBatch, EmbedStep, AudioStep, Shutdown]
 ResultMessage = Union[StepResult, EmbedResult, AudioResult, WorkerReady, WorkerFailed]
