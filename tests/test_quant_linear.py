@@ -213,8 +213,8 @@ def test_other_machines_code_paths(defines):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
+                                   QuantType.Q8_0], ids=lambda q: q.name)
 def test_rows_interleaved_by_8_give_the_gguf_layouts_numbers(qtype):
     # On AVX2 these formats are stored 8 rows interleaved (quant_linear.c's QL_X8) when the
     # rows are a multiple of 8: the same products, summed in another order.

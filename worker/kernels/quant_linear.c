@@ -913,7 +913,7 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
     }
 }
 
-/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q8_0) --------------------------------
+/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q5_0, Q8_0) --------------------------
  *
  * In the GGUF layout a weight row's blocks follow each other, so a tile multiplies a block
  * with its activations into a vector of partial sums and must add the vector's lanes up at
@@ -922,6 +922,7 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
  * the 8 rows' float16 d (then m, for Q4_1) side by side and then their quants, 4 bytes of
  * each row in turn:
  *     Q4_0 / Q4_1: [d x 8][m x 8][4 x (4 quant bytes x 8 rows)]   144 / 160 bytes
+ *     Q5_0:        [d x 8][qh x 8][4 x (4 quant bytes x 8 rows)]    176 bytes
  *     Q8_0:        [d x 8][8 x (4 quants x 8 rows)]                 272 bytes
  * (the bytes of 8 GGUF blocks, rearranged). A 256-bit load is then 4 quant bytes of each row,
  * lane i being row i: multiply-added with 4 activations broadcast to every lane, each lane
@@ -936,14 +937,19 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
 #define QL_X8 0x100
 
 #if defined(QS_AVX2)
-QS_INLINE int ql_x8_format(const int qt) { return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q8_0; }
+QS_INLINE int ql_x8_format(const int qt) {
+    return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q8_0;
+}
 #else
 QS_INLINE int ql_x8_format(const int qt) { (void)qt; return 0; }
 #endif
 
-/* Bytes of a gblock before its quants, and the GGUF block's header (scales). */
-QS_INLINE int ql_x8_scale_bytes(const int qt) { return qt == QL_Q4_1 ? 32 : 16; }
-QS_INLINE int ql_x8_head(const int qt) { return qt == QL_Q4_1 ? 4 : 2; }
+/* Bytes of a gblock before its quants, and the GGUF block's header (scales; Q5_0's high
+ * bits). The header's second field (Q4_1's m, Q5_0's qh) follows the 8 d's. */
+QS_INLINE int ql_x8_scale_bytes(const int qt) {
+    return qt == QL_Q4_1 ? 32 : qt == QL_Q5_0 ? 48 : 16;
+}
+QS_INLINE int ql_x8_head(const int qt) { return qt == QL_Q4_1 ? 4 : qt == QL_Q5_0 ? 6 : 2; }
 
 /* Weight row `row`'s block b (a K-quant: its super-block) as GGUF stores it: in place, or
  * gathered from its group into buf (ql_block_bytes(qt) bytes). */
@@ -954,7 +960,7 @@ QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int
     const uint8_t *g = w + row / 8 * 8 * wrow + b * 8 * bytes;
     const int lane = (int)(row % 8), head = ql_x8_head(qt), sb = ql_x8_scale_bytes(qt);
     memcpy(buf, g + 2 * lane, 2);
-    if (qt == QL_Q4_1) memcpy(buf + 2, g + 16 + 2 * lane, 2);
+    if (head > 2) memcpy(buf + 2, g + 16 + (head - 2) * lane, head - 2);
     for (int j = 0; j < (bytes - head) / 4; j++) memcpy(buf + head + 4 * j, g + sb + 32 * j + 4 * lane, 4);
     return buf;
 }
@@ -975,7 +981,7 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
             for (int lane = 0; lane < 8; lane++) {
                 const uint8_t *blk = src + (8 * g + lane) * wrow + b * bytes;
                 memcpy(o + 2 * lane, blk, 2);
-                if (qtype == QL_Q4_1) memcpy(o + 16 + 2 * lane, blk + 2, 2);
+                if (head > 2) memcpy(o + 16 + (head - 2) * lane, blk + 2, head - 2);
                 for (int j = 0; j < (bytes - head) / 4; j++)
                     memcpy(o + sb + 32 * j + 4 * lane, blk + head + 4 * j, 4);
             }
@@ -999,7 +1005,8 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
 
 /* A gblock unpacked: q[j] holds weights 4j..4j+3 of each row (lane), the ones activation word
  * j multiplies; unsigned except Q8_0 without VNNI (signed: see ql_x8_dot). Per row (lane):
- * w = d q + o, o folding Q4_0's -8, Q8_0's -128 (VNNI: its quants read as q + 128), Q4_1's m. */
+ * w = d q + o, o folding Q4_0's -8, Q5_0's -16, Q8_0's -128 (VNNI: its quants read as
+ * q + 128), Q4_1's m. */
 typedef struct {
     __m256i q[8];
     __m256 d, o;
@@ -1012,6 +1019,8 @@ QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g) {
         b.o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
     else if (qt == QL_Q4_0)
         b.o = _mm256_mul_ps(b.d, _mm256_set1_ps(-8.0f));
+    else if (qt == QL_Q5_0)
+        b.o = _mm256_mul_ps(b.d, _mm256_set1_ps(-16.0f));
     else
 #if defined(QS_VNNI)
         b.o = _mm256_mul_ps(b.d, _mm256_set1_ps(-128.0f));
@@ -1035,6 +1044,27 @@ QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g) {
             const __m256i v = q_load(q + 32 * j);
             b.q[j] = _mm256_and_si256(v, nibble);
             b.q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+        if (qt == QL_Q5_0) { /* weights 4j..4j+3 of a lane: bits 4j..4j+3 of its qh word */
+            const __m256i qh = q_load(g + 16);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int byte = j / 2; /* that word's byte, in each byte of the lane */
+                const __m256i pick = _mm256_setr_epi8(
+                    byte, byte, byte, byte, 4 + byte, 4 + byte, 4 + byte, 4 + byte, 8 + byte,
+                    8 + byte, 8 + byte, 8 + byte, 12 + byte, 12 + byte, 12 + byte, 12 + byte,
+                    byte, byte, byte, byte, 4 + byte, 4 + byte, 4 + byte, 4 + byte, 8 + byte,
+                    8 + byte, 8 + byte, 8 + byte, 12 + byte, 12 + byte, 12 + byte, 12 + byte);
+                const int s = 4 * (j % 2);
+                const __m256i bit = _mm256_setr_epi8(
+                    1 << s, 2 << s, 4 << s, 8 << s, 1 << s, 2 << s, 4 << s, 8 << s, 1 << s,
+                    2 << s, 4 << s, 8 << s, 1 << s, 2 << s, 4 << s, 8 << s, 1 << s, 2 << s,
+                    4 << s, 8 << s, 1 << s, 2 << s, 4 << s, 8 << s, 1 << s, 2 << s, 4 << s,
+                    8 << s, 1 << s, 2 << s, 4 << s, 8 << s);
+                const __m256i set = _mm256_cmpeq_epi8(
+                    _mm256_and_si256(_mm256_shuffle_epi8(qh, pick), bit), bit);
+                b.q[j] = _mm256_or_si256(b.q[j], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+            }
         }
     }
     return b;
@@ -1068,6 +1098,16 @@ QS_INLINE __m256i ql_x8_dot(const int qt, const ql_x8_block *w, const int8_t *xq
                 _mm256_sign_epi8(w->q[j], w->q[j]), _mm256_sign_epi8(x, w->q[j])), ones));
         }
         return s;
+    }
+    if (qt == QL_Q5_0) { /* 5-bit: int16 sums of 4 words (4 x 2 x 31 x 127 = 31496) */
+        __m256i lo = _mm256_maddubs_epi16(w->q[0], ql_x8_word(xq, 0));
+        __m256i hi = _mm256_maddubs_epi16(w->q[4], ql_x8_word(xq, 4));
+#pragma GCC unroll 3
+        for (int j = 1; j < 4; j++) {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w->q[j], ql_x8_word(xq, j)));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w->q[4 + j], ql_x8_word(xq, 4 + j)));
+        }
+        return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
     }
     /* 4-bit: 8 x 2 x 15 x 127 = 30480 fits the int16 sums */
     __m256i s = _mm256_maddubs_epi16(w->q[0], ql_x8_word(xq, 0));
@@ -1149,6 +1189,7 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
     }
 QL_DEFINE_X8_CHUNK(QL_Q4_0)
 QL_DEFINE_X8_CHUNK(QL_Q4_1)
+QL_DEFINE_X8_CHUNK(QL_Q5_0)
 QL_DEFINE_X8_CHUNK(QL_Q8_0)
 #endif
 
@@ -1160,6 +1201,7 @@ static ql_chunk_fn ql_kernel_for(const int kind) {
     switch (kind & 0xFF) {
     case QL_Q4_0: return ql_x8_chunk_QL_Q4_0;
     case QL_Q4_1: return ql_x8_chunk_QL_Q4_1;
+    case QL_Q5_0: return ql_x8_chunk_QL_Q5_0;
     case QL_Q8_0: return ql_x8_chunk_QL_Q8_0;
     }
 #endif
@@ -1296,6 +1338,7 @@ QL_DEFINE_F32_PANEL(Q6_K, QL_Q6_K)
 #if defined(QS_AVX2)
 QL_DEFINE_F32_PANEL(Q4_0_X8, QL_Q4_0 | QL_X8)
 QL_DEFINE_F32_PANEL(Q4_1_X8, QL_Q4_1 | QL_X8)
+QL_DEFINE_F32_PANEL(Q5_0_X8, QL_Q5_0 | QL_X8)
 QL_DEFINE_F32_PANEL(Q8_0_X8, QL_Q8_0 | QL_X8)
 #endif
 
@@ -1315,6 +1358,7 @@ static ql_f32_panel_fn ql_f32_panel_for(const int kind) {
 #if defined(QS_AVX2)
     case QL_Q4_0 | QL_X8: return ql_f32_panel_Q4_0_X8;
     case QL_Q4_1 | QL_X8: return ql_f32_panel_Q4_1_X8;
+    case QL_Q5_0 | QL_X8: return ql_f32_panel_Q5_0_X8;
     case QL_Q8_0 | QL_X8: return ql_f32_panel_Q8_0_X8;
 #endif
     default: return NULL;
