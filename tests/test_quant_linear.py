@@ -214,17 +214,18 @@ def test_other_machines_code_paths(defines):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
-                                   QuantType.Q8_0], ids=lambda q: q.name)
+                                   QuantType.Q8_0, QuantType.Q4_K], ids=lambda q: q.name)
 def test_rows_interleaved_by_8_give_the_gguf_layouts_numbers(qtype):
     # On AVX2 these formats are stored 8 rows interleaved (quant_linear.c's QL_X8) when the
     # rows are a multiple of 8: the same products, summed in another order.
-    raw = random_weight(qtype, 48, 576)
-    interleaved = QuantLinear(qtype, raw, (48, 576), float_rows=None)
-    plain = QuantLinear(qtype, raw, (48, 576), float_rows=None, interleave=False)
+    in_f = IN_FEATURES[qtype][1]
+    raw = random_weight(qtype, 48, in_f)
+    interleaved = QuantLinear(qtype, raw, (48, in_f), float_rows=None)
+    plain = QuantLinear(qtype, raw, (48, in_f), float_rows=None, interleave=False)
     assert not plain.interleaved
     assert interleaved.interleaved == KERNEL.isa.startswith("AVX2")
-    assert not QuantLinear(qtype, random_weight(qtype, 44, 576), (44, 576)).interleaved
-    x = torch.randn(600, 576)
+    assert not QuantLinear(qtype, random_weight(qtype, 44, in_f), (44, in_f)).interleaved
+    x = torch.randn(600, in_f)
     for rows in (1, 3, 17, 64):
         torch.testing.assert_close(interleaved(x[:rows]), plain(x[:rows]), rtol=1e-5, atol=1e-4)
     interleaved.float_rows = plain.float_rows = 1  # the float32 path: its panels too

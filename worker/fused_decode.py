@@ -129,6 +129,9 @@ class FusedDecode:
             residual.data_ptr(), tokens, meta.positions.data_ptr(),
             meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
             group.seq_lens.data_ptr(), group.block_tables.shape[1])
+        if rc == -1:
+            raise RuntimeError("the fused decode step failed: a projection has no kernel in "
+                               "this build of decoder.c")
         if rc != 0:
             raise MemoryError(f"the fused decode step failed ({rc}): scratch memory could not "
                               f"be had")

@@ -913,7 +913,7 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
     }
 }
 
-/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q5_0, Q8_0) --------------------------
+/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K) --------------------
  *
  * In the GGUF layout a weight row's blocks follow each other, so a tile multiplies a block
  * with its activations into a vector of partial sums and must add the vector's lanes up at
@@ -924,6 +924,10 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
  *     Q4_0 / Q4_1: [d x 8][m x 8][4 x (4 quant bytes x 8 rows)]   144 / 160 bytes
  *     Q5_0:        [d x 8][qh x 8][4 x (4 quant bytes x 8 rows)]    176 bytes
  *     Q8_0:        [d x 8][8 x (4 quants x 8 rows)]                 272 bytes
+ *     Q4_K (a super-block of 256):
+ *                  [d x 8][dmin x 8][12 x (scale byte k x 8 rows)][32 x (4 quant bytes x 8 rows)]
+ *                                                                   1152 bytes
+ * (a Q4_K sub-block's 8 scales and mins, 6 bits each, then unpack as 8 lanes at once).
  * (the bytes of 8 GGUF blocks, rearranged). A 256-bit load is then 4 quant bytes of each row,
  * lane i being row i: multiply-added with 4 activations broadcast to every lane, each lane
  * sums its own row, and the block's 8 scales are one conversion. llama.cpp's repacked
@@ -938,7 +942,7 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
 
 #if defined(QS_AVX2)
 QS_INLINE int ql_x8_format(const int qt) {
-    return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q8_0;
+    return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q8_0 || qt == QL_Q4_K;
 }
 #else
 QS_INLINE int ql_x8_format(const int qt) { (void)qt; return 0; }
@@ -957,8 +961,15 @@ QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int
                                      const int64_t row, const int64_t b, uint8_t *buf) {
     const int qt = kind & 0xFF, bytes = ql_block_bytes(qt);
     if (!(kind & QL_X8)) return w + row * wrow + b / ql_subblocks(qt) * bytes;
-    const uint8_t *g = w + row / 8 * 8 * wrow + b * 8 * bytes;
+    const uint8_t *g = w + row / 8 * 8 * wrow + b / ql_subblocks(qt) * 8 * bytes;
     const int lane = (int)(row % 8), head = ql_x8_head(qt), sb = ql_x8_scale_bytes(qt);
+    if (qt == QL_Q4_K) {
+        memcpy(buf, g + 2 * lane, 2);
+        memcpy(buf + 2, g + 16 + 2 * lane, 2);
+        for (int k = 0; k < 12; k++) buf[4 + k] = g[32 + 8 * k + lane];
+        for (int c = 0; c < 32; c++) memcpy(buf + 16 + 4 * c, g + 128 + 32 * c + 4 * lane, 4);
+        return buf;
+    }
     memcpy(buf, g + 2 * lane, 2);
     if (head > 2) memcpy(buf + 2, g + 16 + (head - 2) * lane, head - 2);
     for (int j = 0; j < (bytes - head) / 4; j++) memcpy(buf + head + 4 * j, g + sb + 32 * j + 4 * lane, 4);
@@ -969,17 +980,27 @@ QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int
  * has no such layout for qtype, or N is not a multiple of 8. */
 int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, int K,
                           uint8_t *dst) {
-    if (!ql_x8_format(qtype) || N % 8 || K % 32 || wrow != K / 32 * ql_block_bytes(qtype))
+    const int per_block = 32 * ql_subblocks(qtype);
+    if (!ql_x8_format(qtype) || N % 8 || K % per_block ||
+        wrow != K / per_block * ql_block_bytes(qtype))
         return -1;
     const int bytes = ql_block_bytes(qtype), head = ql_x8_head(qtype);
     const int sb = ql_x8_scale_bytes(qtype);
-    const int64_t nb = K / 32;
+    const int64_t nb = K / per_block;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < N / 8; g++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *o = dst + g * 8 * wrow + b * 8 * bytes;
             for (int lane = 0; lane < 8; lane++) {
                 const uint8_t *blk = src + (8 * g + lane) * wrow + b * bytes;
+                if (qtype == QL_Q4_K) {
+                    memcpy(o + 2 * lane, blk, 2);
+                    memcpy(o + 16 + 2 * lane, blk + 2, 2);
+                    for (int k = 0; k < 12; k++) o[32 + 8 * k + lane] = blk[4 + k];
+                    for (int c = 0; c < 32; c++)
+                        memcpy(o + 128 + 32 * c + 4 * lane, blk + 16 + 4 * c, 4);
+                    continue;
+                }
                 memcpy(o + 2 * lane, blk, 2);
                 if (head > 2) memcpy(o + 16 + (head - 2) * lane, blk + 2, head - 2);
                 for (int j = 0; j < (bytes - head) / 4; j++)
@@ -1012,7 +1033,45 @@ typedef struct {
     __m256 d, o;
 } ql_x8_block;
 
-QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g) {
+/* The 8 rows' byte k of a Q4_K super-block's scales, one per lane. */
+QS_INLINE __m256i ql_x8_scale_byte(const uint8_t *s, const int k) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + 8 * k)));
+}
+
+/* Sub-block j of a Q4_K group (as ql_scale_min_k4, 8 rows at once). */
+QS_INLINE ql_x8_block ql_x8_decode_q4_k(const uint8_t *g, const int j) {
+    ql_x8_block b;
+    const uint8_t *s = g + 32;
+    const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
+    __m256i sc, m;
+    if (j < 4) {
+        sc = _mm256_and_si256(ql_x8_scale_byte(s, j), low6);
+        m = _mm256_and_si256(ql_x8_scale_byte(s, j + 4), low6);
+    } else {
+        const __m256i hi = ql_x8_scale_byte(s, j + 4);
+        sc = _mm256_or_si256(_mm256_and_si256(hi, low4),
+                             _mm256_slli_epi32(_mm256_srli_epi32(ql_x8_scale_byte(s, j - 4), 6), 4));
+        m = _mm256_or_si256(_mm256_srli_epi32(hi, 4),
+                            _mm256_slli_epi32(_mm256_srli_epi32(ql_x8_scale_byte(s, j), 6), 4));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+    b.d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+    b.o = _mm256_mul_ps(_mm256_mul_ps(dmin, _mm256_set1_ps(-1.0f)), _mm256_cvtepi32_ps(m));
+    /* sub-blocks 2p and 2p + 1: the low and high nibbles of quant bytes 32p .. 32p + 31 */
+    const uint8_t *q = g + 128 + 256 * (j / 2);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m256i v = q_load(q + 32 * k);
+        b.q[k] = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, nibble);
+    }
+    return b;
+}
+
+/* Block j of the group at g (j: the sub-block of a K-quant super-block; 0 otherwise). */
+QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g, const int j) {
+    if (qt == QL_Q4_K) return ql_x8_decode_q4_k(g, j);
     ql_x8_block b;
     b.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
     if (qt == QL_Q4_1)
@@ -1121,15 +1180,16 @@ QS_INLINE __m256i ql_x8_dot(const int qt, const ql_x8_block *w, const int8_t *xq
 QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_acts *a,
                           const int64_t r0, float *y, const int64_t ldy, const float *bias) {
     const int64_t nb = a->nb;
-    const int gbytes = 8 * ql_block_bytes(qt);
+    const int gbytes = 8 * ql_block_bytes(qt), sub = ql_subblocks(qt);
     const int has_o = qt != QL_Q8_0 || QS_X8_Q8_OFFSET;
     __m256 acc[QL_X8_R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, g += gbytes) {
-        if (LOOM_QUANT_PF)
-            for (int o = 0; o < gbytes; o += 64) __builtin_prefetch(g + LOOM_QUANT_PF + o, 0, 3);
-        const ql_x8_block w = ql_x8_decode(qt, g);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = g + b / sub * gbytes; /* (its super-block's group) */
+        if (LOOM_QUANT_PF && b % sub == 0)
+            for (int o = 0; o < gbytes; o += 64) __builtin_prefetch(gb + LOOM_QUANT_PF + o, 0, 3);
+        const ql_x8_block w = ql_x8_decode(qt, gb, (int)(b % sub));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int64_t row = r0 + r;
@@ -1191,6 +1251,7 @@ QL_DEFINE_X8_CHUNK(QL_Q4_0)
 QL_DEFINE_X8_CHUNK(QL_Q4_1)
 QL_DEFINE_X8_CHUNK(QL_Q5_0)
 QL_DEFINE_X8_CHUNK(QL_Q8_0)
+QL_DEFINE_X8_CHUNK(QL_Q4_K)
 #endif
 
 /* The integer path's chunk function for a type number (QL_X8 added: the interleaved layout),
@@ -1202,6 +1263,7 @@ static ql_chunk_fn ql_kernel_for(const int kind) {
     case QL_Q4_0: return ql_x8_chunk_QL_Q4_0;
     case QL_Q4_1: return ql_x8_chunk_QL_Q4_1;
     case QL_Q5_0: return ql_x8_chunk_QL_Q5_0;
+    case QL_Q4_K: return ql_x8_chunk_QL_Q4_K;
     case QL_Q8_0: return ql_x8_chunk_QL_Q8_0;
     }
 #endif
@@ -1249,9 +1311,11 @@ static float *ql_panel_for(size_t floats) {
 
 #if defined(QS_AVX2)
 /* Block b of an interleaved group (8 weight rows) into 8 columns of a panel: p = the panel
- * at row 32 b, first column of the group. Lane i of q[j] holds row i's weights 4j..4j+3. */
-QS_INLINE void ql_x8_dequantize(const int qt, const uint8_t *g, float *restrict p) {
-    const ql_x8_block w = ql_x8_decode(qt, g);
+ * at row 32 b, first column of the group; g its (super-)block, j the sub-block. Lane i of
+ * q[j] holds row i's weights 4j..4j+3. */
+QS_INLINE void ql_x8_dequantize(const int qt, const uint8_t *g, const int j,
+                                float *restrict p) {
+    const ql_x8_block w = ql_x8_decode(qt, g, j);
     const __m256i byte = _mm256_set1_epi32(0xFF);
 #define QL_X8_WEIGHT(j, t)                                                                   \
     do {                                                                                     \
@@ -1282,7 +1346,7 @@ QS_INLINE void ql_dequantize_panel(const int kind, const uint8_t *w, const int64
         for (int c = 0; c < cols; c += 8) {
             const uint8_t *g = w + (int64_t)(n0 + c) * wrow;
             for (int b = 0; b < K / 32; b++)
-                ql_x8_dequantize(qt, g + (int64_t)b * 8 * ql_block_bytes(qt),
+                ql_x8_dequantize(qt, g + (int64_t)(b / sub) * 8 * ql_block_bytes(qt), b % sub,
                                  panel + (int64_t)32 * b * NR + c);
         }
         return;
@@ -1339,6 +1403,7 @@ QL_DEFINE_F32_PANEL(Q6_K, QL_Q6_K)
 QL_DEFINE_F32_PANEL(Q4_0_X8, QL_Q4_0 | QL_X8)
 QL_DEFINE_F32_PANEL(Q4_1_X8, QL_Q4_1 | QL_X8)
 QL_DEFINE_F32_PANEL(Q5_0_X8, QL_Q5_0 | QL_X8)
+QL_DEFINE_F32_PANEL(Q4_K_X8, QL_Q4_K | QL_X8)
 QL_DEFINE_F32_PANEL(Q8_0_X8, QL_Q8_0 | QL_X8)
 #endif
 
@@ -1359,6 +1424,7 @@ static ql_f32_panel_fn ql_f32_panel_for(const int kind) {
     case QL_Q4_0 | QL_X8: return ql_f32_panel_Q4_0_X8;
     case QL_Q4_1 | QL_X8: return ql_f32_panel_Q4_1_X8;
     case QL_Q5_0 | QL_X8: return ql_f32_panel_Q5_0_X8;
+    case QL_Q4_K | QL_X8: return ql_f32_panel_Q4_K_X8;
     case QL_Q8_0 | QL_X8: return ql_f32_panel_Q8_0_X8;
 #endif
     default: return NULL;
