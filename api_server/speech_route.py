@@ -27,6 +27,7 @@ from api_server.protocol import RequestError
 from api_server.server_state import ServerState
 from api_server.serving_context import error_response
 from api_server.speech_text import MAX_INPUT_CHARS, text_to_segments
+from pipelines.audio_generation import AudioGenerationRequest
 from pipelines.speech_context import TTSContext
 
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -111,8 +112,10 @@ class SpeechRoute:
             segments = text_to_segments(req.input)
         except ValueError as exc:
             raise RequestError(str(exc), param="input") from None
-        return TTSContext(segments=[np.asarray(s.phoneme_ids, dtype=np.int64) for s in segments],
-                          model_name=req.model, voice=req.model, speed=req.speed)
+        request = AudioGenerationRequest(model=req.model, input=req.input)
+        return TTSContext.from_phoneme_segments(
+            [np.asarray(s.phoneme_ids, dtype=np.int64) for s in segments],
+            request_id=request.id, model_name=request.model, voice=req.model, speed=req.speed)
 
     async def _chunks(self, ctx: TTSContext):
         """PCM bytes per segment, with metrics; raises if synthesis fails mid-way."""

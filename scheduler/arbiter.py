@@ -62,7 +62,9 @@ class Arbiter:
 
     # ---- requests ---------------------------------------------------------------------------
     def add(self, ctx: Any) -> None:
-        source = next((s for s in self.sources if isinstance(ctx, s.context_type)), None)
+        # The most derived match: a TTSContext is a TextContext too.
+        source = max((s for s in self.sources if isinstance(ctx, s.context_type)),
+                     key=lambda s: len(s.context_type.__mro__), default=None)
         if source is not None:
             source.add(ctx)
         else:

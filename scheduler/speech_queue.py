@@ -1,4 +1,4 @@
-"""Speech as a step source (step_source.py): requests waiting for their next segment.
+"""Speech as a step source (step_source.py): requests waiting for their next audio chunk.
 
 Requests that have produced no audio yet go first (their first segment is short, so the first
 audio comes quickly); the others take turns, one segment each, so a long text doesn't hold
@@ -8,6 +8,8 @@ back shorter ones.
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 from pipelines.speech_context import TTSContext
 from serialization.messages import AudioChunk, AudioResult, AudioStep, ResponseBatch
@@ -58,20 +60,24 @@ class SpeechQueue:
             self.started.append(ctx)
 
     def next_step(self) -> tuple[AudioStep, tuple[TTSContext, int]] | None:
-        """The next segment of the request whose turn it is."""
+        """The next chunk of the request whose turn it is."""
         if not self.has_work:
             return None
         ctx = self.take()
-        step = AudioStep(step_id=self._step_id, request_id=ctx.request_id,
-                         phoneme_ids=ctx.next_segment(), speed=ctx.speed)
+        step = AudioStep(step_id=self._step_id, contexts=[ctx])
         self._step_id += 1
-        return step, (ctx, ctx.decoded_index)
+        return step, (ctx, ctx._audio_chunks)
 
     def after_step(self, sent: tuple[TTSContext, int], result: AudioResult) -> ResponseBatch:
         ctx, index = sent
-        ctx.decoded_index += 1
         failed = result.error is not None
-        chunk = AudioChunk(request_id=ctx.request_id, audio=result.audio, index=index,
+        audio = result.audio[0] if result.audio else np.zeros(0, np.int16)
+        if not failed:
+            ctx.decoded_index = result.decoded_index[0]
+            ctx._audio_chunks += 1
+            if ctx.status.is_done and not ctx.has_undecoded_speech_tokens():
+                ctx.update_audio_generation_status(ctx.status)
+        chunk = AudioChunk(request_id=ctx.request_id, audio=audio, index=index,
                            is_last=ctx.is_done or failed,
                            synthesis_seconds=result.finished_at - result.started_at,
                            error=result.error)

@@ -192,17 +192,19 @@ class EmbedResult(msgspec.Struct, tag=True):
 
 
 class AudioStep(msgspec.Struct, tag=True):
-    """Synthesize one segment of a speech request."""
+    """Decode the next chunk of each of these speech requests (the scheduler's contexts, as
+    they are now: the worker's AudioGenerator reads their speech tokens and indices)."""
 
     step_id: int
-    request_id: str
-    phoneme_ids: np.ndarray  # int64
-    speed: float = 1.0
+    contexts: list[TTSContext]
+    num_tokens: int = 0  # speech tokens per chunk (Piper decodes a sentence: 0)
 
 
 class AudioResult(msgspec.Struct, tag=True):
     step_id: int
-    audio: np.ndarray  # int16 [samples]
+    # Per context of the step, in order: its audio (int16 PCM) and its decoded_index after.
+    audio: list[np.ndarray]
+    decoded_index: list[int] = []
     started_at: float = 0.0
     finished_at: float = 0.0
     error: str | None = None

@@ -179,7 +179,7 @@ def test_arbiter_queues_a_text_step_ahead_unless_speech_waits():
         arbiter.after_step(StepResult(step_id=step.step_id, sampled_token_ids=sampled,
                                       started_at=started, finished_at=finished))
         if step is first:
-            arbiter.add(TTSContext(request_id="s", segments=[np.arange(3)]))
+            arbiter.add(TTSContext.from_phoneme_segments([np.arange(3)], request_id="s"))
             assert arbiter.next_step() is None  # speech waits: nothing queued ahead
     assert arbiter.take_stats().step_overheads == [0.25]  # started 10.75, after 10.5
     assert not arbiter.busy

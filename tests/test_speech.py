@@ -161,7 +161,7 @@ def test_speech_queue_forgets_cancellations_of_other_requests():
     for i in range(100_000):
         queue.abort({f"text-{i}"})
     assert queue.running is None and not queue.cancelled and len(queue) == 0
-    ctx = TTSContext(request_id="s", voice="v", segments=[np.arange(3), np.arange(3)])
+    ctx = TTSContext.from_phoneme_segments([np.arange(3), np.arange(3)], request_id="s", voice="v")
     queue.add(ctx)
     assert queue.take() is ctx
     queue.abort({"s"})  # aborted while its segment runs: not put back

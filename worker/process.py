@@ -280,7 +280,9 @@ def _embed_step(runner, speech, msg: EmbedStep) -> EmbedResult:
 def _audio_step(runner, speech, msg: AudioStep) -> AudioResult:
     if speech is None:
         raise RuntimeError("this worker serves no voice")
-    return speech.next_chunk(msg)
+    from worker.speech_runner import run_audio_step
+
+    return run_audio_step(speech, msg)
 
 
 # Each step type the scheduler sends, and what runs it: (runner, speech runner, step) -> result.
@@ -294,7 +296,7 @@ def _failed(msg, error: str):
         return EmbedResult(step_id=msg.step_id, embeddings=np.zeros((0, 0), np.float32),
                            error=error)
     if isinstance(msg, AudioStep):
-        return AudioResult(step_id=msg.step_id, audio=np.zeros(0, np.int16), error=error)
+        return AudioResult(step_id=msg.step_id, audio=[], error=error)
     return StepResult(step_id=msg.step_id,
                       sampled_token_ids=np.full(len(msg.request_ids), -1, dtype=np.int32),
                       error=error)

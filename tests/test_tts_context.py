@@ -1,0 +1,88 @@
+"""TTSContext as max.pipelines.core documents it: a TextContext whose speech tokens an
+AudioGenerator decodes chunk by chunk, each chunk re-decoding `buffer` earlier tokens."""
+
+import numpy as np
+import pytest
+
+import pipelines
+from pipelines import GenerationStatus, TextContext, TTSContext
+from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from serialization.messages import AudioStep, RequestMessage, StepMessage
+
+
+def tts(**fields) -> TTSContext:
+    return TTSContext(tokens=np.arange(5), max_length=64, **fields)
+
+
+def test_tts_context_is_a_text_context_with_the_documented_members():
+    ctx = tts()
+    assert isinstance(ctx, TextContext)
+    for name in ("audio_prompt_tokens", "buffer_speech_tokens", "audio_buffer",
+                 "prev_samples_beyond_offset", "streaming", "decoded_index", "block_counter",
+                 "is_done", "speech_tokens", "audio_generation_status",
+                 "update_speech_tokens", "next_speech_tokens"):
+        assert hasattr(ctx, name), name
+    assert ctx.speech_tokens.size == 0 and ctx.decoded_index == 0 and not ctx.streaming
+    assert ctx.audio_generation_status is GenerationStatus.ACTIVE and not ctx.is_done
+    for name in ("AudioGenerationRequest", "AudioGenerationResponse", "AudioGenerator",
+                 "AudioGeneratorOutput", "TTSContext"):
+        assert name in pipelines.__all__
+
+
+def test_speech_tokens_grow_past_the_initial_buffer():
+    ctx = tts()
+    blocks = [np.arange(i * 100, i * 100 + 100) for i in range(3)]  # 300 > 128
+    for block in blocks:
+        ctx.update_speech_tokens(block)
+    assert ctx.speech_tokens.tolist() == np.concatenate(blocks).tolist()
+    assert ctx.block_counter == 3
+
+
+def test_next_speech_tokens_chunks_with_the_overlap_buffer():
+    ctx = tts()
+    ctx.update_speech_tokens(np.arange(10, 30))  # 20 tokens
+    chunk, buffered = ctx.next_speech_tokens(audio_chunk_size=7, buffer=3)
+    assert chunk.tolist() == list(range(10, 17)) and buffered == 0  # nothing before the first
+    assert ctx.decoded_index == 0  # the caller moves it, once the audio is out
+    ctx.decoded_index = 7
+    chunk, buffered = ctx.next_speech_tokens(audio_chunk_size=7, buffer=3)
+    assert buffered == 3 and chunk.tolist() == list(range(14, 24))  # 3 again, then 7 new
+    ctx.decoded_index = 14
+    chunk, buffered = ctx.next_speech_tokens(audio_chunk_size=7, buffer=100)
+    assert buffered == 14 and chunk.tolist() == list(range(10, 30))  # buffer stops at 0
+    ctx.decoded_index = 20
+    chunk, buffered = ctx.next_speech_tokens(audio_chunk_size=7, buffer=3)
+    assert buffered == 3 and chunk.tolist() == [27, 28, 29]  # no new tokens: only the buffer
+    assert not ctx.has_undecoded_speech_tokens()
+    ctx.decoded_index = 18
+    assert ctx.next_speech_tokens()[0].tolist() == [28, 29]  # no size: all that is left
+
+
+def test_a_tts_context_travels_as_itself_through_the_codec():
+    ctx = tts(audio_prompt_tokens=np.array([7, 8, 9]), streaming=True, voice="tara")
+    ctx.update_speech_tokens(np.arange(200))
+    ctx.decoded_index = 21
+    wire = msgpack_numpy_encoder()(ctx)
+    back = msgpack_numpy_decoder(RequestMessage)(wire)
+    assert type(back) is TTSContext
+    assert back.speech_tokens.tolist() == list(range(200)) and back.decoded_index == 21
+    assert back.audio_prompt_tokens.tolist() == [7, 8, 9] and back.voice == "tara"
+    assert back.prompt_tokens.tolist() == list(range(5)) and back.streaming
+    step = msgpack_numpy_decoder(StepMessage)(msgpack_numpy_encoder()(
+        AudioStep(step_id=3, contexts=[ctx], num_tokens=28)))
+    assert step.contexts[0].next_speech_tokens(28, 7)[0].tolist() == list(range(14, 49))
+
+
+def test_piper_context_speaks_one_sentence_per_chunk():
+    ctx = TTSContext.from_phoneme_segments([np.arange(3), np.arange(5)], request_id="s")
+    assert ctx.prompt_length == 8 and ctx.status.is_done and not ctx.is_done
+    assert ctx.next_segment_length() == 3
+    ctx.decoded_index = 3
+    assert ctx.next_segment_length() == 5
+    ctx.decoded_index = 8
+    assert ctx.next_segment_length() == 0 and not ctx.has_undecoded_speech_tokens()
+
+
+def test_piper_context_needs_a_phoneme():
+    with pytest.raises(ValueError):
+        TTSContext.from_phoneme_segments([])
