@@ -77,7 +77,11 @@ def test_installed_copy_builds_and_loads_every_kernel(installed, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("LOOM_DISABLE_KERNELS", "LOOM_KERNEL_MARCH", "PYTHONPATH")}
     env.update(PYTHONPATH=str(target), LOOM_CACHE_DIR=str(tmp_path / "cache"))
-    script = ("import worker.kernels as k, worker.kernels.__main__ as m; print(k.__file__); "
+    # Two compilers at a time (quant_linear.c, and decoder.c which includes it, take most of
+    # the time); main() then finds every kernel loaded and reports as `python -m worker.kernels`.
+    script = ("import concurrent.futures as f, worker.kernels as k, worker.kernels.__main__ as m; "
+              "print(k.__file__); "
+              "list(f.ThreadPoolExecutor(2).map(k.load_kernel, k.kernel_names())); "
               "raise SystemExit(m.main())")
     r = subprocess.run([sys.executable, "-S", "-c", script], cwd=elsewhere, env=env,
                        capture_output=True, text=True, timeout=120)
