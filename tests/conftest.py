@@ -39,12 +39,12 @@ def idefics3_dir(smollm2_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def gguf_oracle():
-    """(model, tokenizer): transformers loading the default GGUF file (dequantized to float32),
-    the oracle of the tests that serve that file. Loaded once."""
+    """transformers loading the default GGUF file (dequantized to float32), the oracle of the
+    tests that serve that file (tests/gguf_oracle.py's GGUFOracle). Loaded once."""
     from pipelines.checkpoint.default_model import find_gguf
-    from tests.gguf_oracle import load_gguf_oracle
+    from tests.gguf_oracle import GGUFOracle
 
-    return load_gguf_oracle(find_gguf())
+    return GGUFOracle(find_gguf())
 
 
 

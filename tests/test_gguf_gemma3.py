@@ -45,10 +45,10 @@ if _MISSING:
 import torch  # noqa: E402
 
 from tests.gguf_oracle import (  # noqa: E402
+    GGUFOracle,
     check_against_oracle,
     generate,
-    load_gguf_oracle,
-    oracle_logprobs,
+    oracle_choices,
 )
 from tests.helpers import start_server  # noqa: E402
 
@@ -90,12 +90,12 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def oracle(gguf_path):
-    return load_gguf_oracle(gguf_path)
+    return GGUFOracle(gguf_path)
 
 
 @pytest.fixture(scope="module")
 def prompts_ids(oracle):
-    _, tok = oracle
+    tok = oracle.tokenizer
     ids = [tok(p)["input_ids"] for p in PROMPTS + LONG_PROMPTS]
     # One prompt just short of the window, so decoding crosses it.
     story = tok(STORY * 30)["input_ids"]
@@ -116,12 +116,11 @@ def server(gguf_path):
 @pytest.mark.parametrize("concurrent", [False, True], ids=["alone", "batched"])
 def test_greedy_output_agrees_with_transformers_on_the_gguf(server, oracle, prompts_ids,
                                                              concurrent):
-    model, _ = oracle
     results = generate(server.url, prompts_ids, concurrent, MAX_TOKENS, timeout=300)
     stats = {"exact": 0, "total": 0, "gap": 0.0, "logprob": 0.0}
     for prompt_ids, (generated, logprobs) in zip(prompts_ids, results):
         assert len(generated) == MAX_TOKENS
-        check_against_oracle(oracle_logprobs(model, prompt_ids, generated), prompt_ids,
+        check_against_oracle(oracle_choices(oracle, prompt_ids, generated), prompt_ids,
                              generated, logprobs, stats, TIE_NATS, LOGPROB_NATS)
     print(f"\n{'batched' if concurrent else 'alone'}: {stats['exact']}/{stats['total']} exact, "
           f"largest gap to the oracle's choice {stats['gap']:.3f} nats, largest logprob "
@@ -134,7 +133,7 @@ def test_config_and_weights_are_transformers(gguf_path, oracle):
     rotary base 10,000), and every tensor, dequantized, equal to the oracle's parameter."""
     from pipelines.checkpoint.gguf_file import GGUFTensor, dequantize, open_gguf
 
-    model, _ = oracle
+    model = oracle.model
     gguf = open_gguf(gguf_path)
     config, hf = gguf.config, model.config
     assert config.architecture == "Gemma3ForCausalLM"
@@ -163,7 +162,7 @@ def test_config_and_weights_are_transformers(gguf_path, oracle):
 
 
 def test_tokenizer_matches_transformers(server, oracle):
-    _, tok = oracle
+    tok = oracle.tokenizer
     texts = PROMPTS + [
         "  leading spaces\tand tabs\n\nnew lines   ",
         "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
@@ -181,7 +180,7 @@ def test_tokenizer_matches_transformers(server, oracle):
 
 
 def test_chat_uses_gemma3s_template(server, oracle):
-    _, tok = oracle
+    tok = oracle.tokenizer
     conversations = [
         ([{"role": "system", "content": "Be brief."},
           {"role": "user", "content": "What is the capital of France?"}],

@@ -140,11 +140,11 @@ def test_the_default_gguf_split_agrees_with_transformers(gguf_oracle):
     """-tp 2 on the default Q4_1 file kept in its blocks, batched, under test_gguf_serving's
     criterion (its docstring says why quantized activations need one)."""
     from pipelines.checkpoint.default_model import find_gguf
-    from tests.gguf_oracle import check_against_oracle, generate, oracle_logprobs
+    from tests.gguf_oracle import check_against_oracle, generate, oracle_choices
     from tests.test_gguf_serving import LOGPROB_NATS, MAX_TOKENS, TIE_NATS
     from tests.test_gguf_serving import PROMPTS as GGUF_PROMPTS
 
-    model, tok = gguf_oracle
+    tok = gguf_oracle.tokenizer
     srv = start_server(find_gguf(), *TP2, "--max-model-len", "2048", "--kv-cache-memory",
                        "256MiB")
     try:
@@ -154,7 +154,7 @@ def test_the_default_gguf_split_agrees_with_transformers(gguf_oracle):
         for ids, (generated, logprobs) in zip(prompts_ids, generate(srv.url, prompts_ids, True,
                                                                        MAX_TOKENS)):
             assert len(generated) == MAX_TOKENS
-            check_against_oracle(oracle_logprobs(model, ids, generated), ids, generated,
+            check_against_oracle(oracle_choices(gguf_oracle, ids, generated), ids, generated,
                                  logprobs, stats, TIE_NATS, LOGPROB_NATS)
         assert stats["exact"] >= 0.9 * stats["total"], stats
     finally:
