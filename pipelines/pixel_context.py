@@ -35,6 +35,7 @@ class GenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     final_status: GenerationStatus = GenerationStatus.ACTIVE
     steps_executed: int = 0
     images: np.ndarray | None = None
+    error: str | None = None  # set when final_status is ERROR: what went wrong, for the client
 
     @property
     def is_done(self) -> bool:

@@ -31,3 +31,4 @@ class PipelineTask(str, Enum):
     EMBEDDINGS_GENERATION = "embeddings_generation"
     AUDIO_GENERATION = "audio_generation"
     SPEECH_TOKEN_GENERATION = "speech_token_generation"
+    PIXEL_GENERATION = "pixel_generation"

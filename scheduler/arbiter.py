@@ -19,6 +19,7 @@ from pipelines.status import PipelineTask
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
 from scheduler.fair_share import FairShare
+from scheduler.pixel_queue import MAX_RUNNING, PixelQueue
 from scheduler.scheduler import Scheduler
 from scheduler.speech_queue import SpeechQueue
 from scheduler.step_source import SentStep, StepSource
@@ -50,6 +51,8 @@ class Arbiter:
             embeddings = EmbeddingBatcher(pipeline_config.max_embedding_batch_tokens,
                                           pipeline_config.max_batch_size)
             return cls(text, [embeddings])
+        if ready.task is PipelineTask.PIXEL_GENERATION:
+            return cls(text, [PixelQueue(min(pipeline_config.max_batch_size, MAX_RUNNING))])
         if ready.voices:
             speech = SpeechQueue()
             return cls(text, [text, speech], speech)

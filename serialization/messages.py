@@ -21,7 +21,7 @@ import numpy as np
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
-from pipelines.pixel_context import PixelContext
+from pipelines.pixel_context import GenerationOutput, PixelContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
 from pipelines.speech_context import TTSContext
@@ -81,6 +81,7 @@ class ResponseBatch(msgspec.Struct, tag=True):
     stats: SchedulerStats | None = None
     embeddings: list[EmbeddingOutput] = []
     audio: list[AudioChunk] = []
+    images: list[GenerationOutput] = []  # pixel requests' progress; images on the last step
 
 
 class SchedulerReady(msgspec.Struct, tag=True):
@@ -210,6 +211,25 @@ class AudioResult(msgspec.Struct, tag=True):
     error: str | None = None
 
 
+class PixelStep(msgspec.Struct, tag=True):
+    """One denoising step for each request in `request_ids` (each at its own step), in one
+    transformer call where their sizes match. `new` requests are added first (their text
+    encoders run then); `released` ones (cancelled) are forgotten."""
+
+    step_id: int
+    request_ids: list[str]
+    new: list[PixelContext] = []
+    released: list[str] = []
+
+
+class PixelResult(msgspec.Struct, tag=True):
+    step_id: int
+    outputs: list[GenerationOutput]  # per request of the step, in order
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    error: str | None = None
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -253,5 +273,6 @@ class WorkerFailed(msgspec.Struct, tag=True):
 RequestMessage = Union[TextContext, TextAndVisionContext, EmbeddingsContext, TTSContext,
                        PixelContext]
 ResponseMessage = Union[ResponseBatch, SchedulerReady, SchedulerFailed]
-StepMessage = Union[StepBatch, EmbedStep, AudioStep, Shutdown]
-ResultMessage = Union[StepResult, EmbedResult, AudioResult, WorkerReady, WorkerFailed]
+StepMessage = Union[StepBatch, EmbedStep, AudioStep, PixelStep, Shutdown]
+ResultMessage = Union[StepResult, EmbedResult, AudioResult, PixelResult, WorkerReady,
+                      WorkerFailed]

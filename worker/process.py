@@ -27,6 +27,8 @@ from serialization.messages import (
     AudioStep,
     EmbedResult,
     EmbedStep,
+    PixelResult,
+    PixelStep,
     Shutdown,
     StepBatch,
     StepMessage,
@@ -220,6 +222,12 @@ def _load_runner(cfg: PipelineConfig, rank: int):
         from worker.embedding_runner import EmbeddingRunner
 
         return EmbeddingRunner(cfg)  # (on the CPU)
+    if model.task is PipelineTask.PIXEL_GENERATION:
+        from worker.device import rank_device, resolve_dtype
+        from worker.pixels.flux import FluxRunner
+
+        device = rank_device(cfg.devices, rank)
+        return FluxRunner(model.model_path, device, resolve_dtype(model.dtype, device))
     from worker.model_runner import ModelRunner
 
     return ModelRunner(cfg, rank)
@@ -228,7 +236,7 @@ def _load_runner(cfg: PipelineConfig, rank: int):
 def _generator(runner, task: PipelineTask):
     """What runs the steps: for text, MAX's TextGenerationPipeline over the runner, fed the
     scheduler's steps."""
-    if task is PipelineTask.EMBEDDINGS_GENERATION:
+    if task in (PipelineTask.EMBEDDINGS_GENERATION, PipelineTask.PIXEL_GENERATION):
         return runner
     from worker.pipeline import ScheduledSteps, TextGenerationPipeline
 
@@ -239,6 +247,9 @@ def _ready_message(runner, task: PipelineTask, speech) -> WorkerReady:
     if task is PipelineTask.EMBEDDINGS_GENERATION:
         return WorkerReady(num_blocks=0, block_size=0, max_model_len=runner.max_model_len,
                            eos_token_ids=[], task=PipelineTask.EMBEDDINGS_GENERATION)
+    if task is PipelineTask.PIXEL_GENERATION:
+        return WorkerReady(num_blocks=0, block_size=0, max_model_len=0, eos_token_ids=[],
+                           task=task)
     ready = WorkerReady(num_blocks=runner.num_blocks, block_size=runner.block_size,
                         max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
     if speech is not None:
@@ -285,8 +296,15 @@ def _audio_step(runner, speech, msg: AudioStep) -> AudioResult:
     return run_audio_step(speech, msg)
 
 
+def _pixel_step(runner, speech, msg: PixelStep) -> PixelResult:
+    from worker.pixels.step import run_pixel_step
+
+    return run_pixel_step(runner, msg)
+
+
 # Each step type the scheduler sends, and what runs it: (runner, speech runner, step) -> result.
-STEP_HANDLERS = {StepBatch: _text_step, EmbedStep: _embed_step, AudioStep: _audio_step}
+STEP_HANDLERS = {StepBatch: _text_step, EmbedStep: _embed_step, AudioStep: _audio_step,
+                 PixelStep: _pixel_step}
 
 
 def _failed(msg, error: str):
@@ -297,6 +315,8 @@ def _failed(msg, error: str):
                            error=error)
     if isinstance(msg, AudioStep):
         return AudioResult(step_id=msg.step_id, audio=[], error=error)
+    if isinstance(msg, PixelStep):
+        return PixelResult(step_id=msg.step_id, outputs=[], error=error)
     return StepResult(step_id=msg.step_id,
                       sampled_token_ids=np.full(len(msg.request_ids), -1, dtype=np.int32),
                       error=error)

@@ -1,0 +1,27 @@
+"""The worker's answer to a PixelStep: one batched denoising step (flux.py), and the images of
+the requests that took their last step."""
+
+from __future__ import annotations
+
+from pipelines.pixel_context import GenerationOutput
+from pipelines.status import GenerationStatus
+from serialization.messages import PixelResult, PixelStep
+from worker.pixels.flux import FluxRunner, to_uint8
+
+
+def run_pixel_step(runner: FluxRunner, msg: PixelStep) -> PixelResult:
+    for rid in msg.released:
+        runner.release(rid)
+    for ctx in msg.new:
+        runner.add(ctx)
+    runner.step(msg.request_ids)
+    outputs = []
+    for rid in msg.request_ids:
+        done, total = runner.steps_done(rid), runner.requests[rid].ctx.num_inference_steps
+        out = GenerationOutput(request_id=rid, steps_executed=done)
+        if done >= total:
+            out.images = to_uint8(runner.decode(rid))
+            out.final_status = GenerationStatus.END_OF_SEQUENCE
+            runner.release(rid)
+        outputs.append(out)
+    return PixelResult(step_id=msg.step_id, outputs=outputs)
