@@ -1,0 +1,102 @@
+"""Orpheus's conventions (canopylabs/orpheus-tts): its prompt, its speech tokens, its sampling
+defaults, and what a checkpoint directory of it looks like.
+
+Orpheus is a Llama 3 whose vocabulary adds special tokens past 128256 and 7 x 4096 audio
+tokens from 128266 (worker/speech/snac_decoder.py maps them to SNAC's codebooks). The
+prompt, as canopylabs' engine builds it:
+
+    <start_of_human> <|begin_of_text|> "{voice}: {text}" <|eot_id|> <end_of_human>
+    <start_of_ai> <start_of_speech>
+
+and the model writes audio tokens until <end_of_speech>. Voice cloning puts a spoken example
+first, as their voice-clone notebook does: its transcription as a human turn, its audio
+tokens as the answer (closed by <end_of_speech> <end_of_ai>), then the text to speak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from pipelines.audio_generation import AudioGenerationRequest
+from pipelines.sampling_params import SamplingParams
+
+BEGIN_OF_TEXT = 128000
+END_OF_TEXT = 128009  # <|eot_id|>
+START_OF_SPEECH = 128257
+END_OF_SPEECH = 128258
+START_OF_HUMAN = 128259
+END_OF_HUMAN = 128260
+START_OF_AI = 128261
+END_OF_AI = 128262
+AUDIO_TOKEN_OFFSET = 128266
+AUDIO_TOKENS = 7 * 4096
+VOCAB_SIZE = AUDIO_TOKEN_OFFSET + AUDIO_TOKENS  # 156938
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+SNAC_SUBDIRECTORY = "snac"  # the decoder beside the language model in a served directory
+
+_HUMAN_END = (END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH)
+
+
+def recommended_sampling(**overrides) -> SamplingParams:
+    """canopylabs' defaults: below a repetition penalty of 1.1 generations are unstable."""
+    fields = dict(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_new_tokens=1200,
+                  stop_token_ids=[END_OF_SPEECH])
+    fields.update(overrides)
+    return SamplingParams(**fields)
+
+
+def prompt_tokens(request: AudioGenerationRequest, encode: Callable[[str], Sequence[int]],
+                  voice: str = "") -> list[int]:
+    """The prompt's token ids. `encode` is the text tokenizer with its special tokens (it
+    starts with <|begin_of_text|>); `request.prompt`, when set, is used as it is."""
+    if isinstance(request.prompt, list):
+        return list(request.prompt)
+    if isinstance(request.prompt, str):
+        return [START_OF_HUMAN, *encode(request.prompt), *_HUMAN_END]
+    if not request.input:
+        raise ValueError("input must not be empty")
+    ids: list[int] = []
+    if request.audio_prompt_tokens:
+        if not request.audio_prompt_transcription:
+            raise ValueError("audio_prompt_tokens need their audio_prompt_transcription")
+        check_audio_tokens(request.audio_prompt_tokens)
+        ids += [START_OF_HUMAN, *encode(request.audio_prompt_transcription), *_HUMAN_END,
+                *request.audio_prompt_tokens, END_OF_SPEECH, END_OF_AI]
+    text = f"{voice}: {request.input}" if voice else request.input
+    return ids + [START_OF_HUMAN, *encode(text), *_HUMAN_END]
+
+
+def check_audio_tokens(tokens: Sequence[int]) -> None:
+    """Audio prompt tokens are whole frames of audio tokens, each in its position's range."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if len(arr) % 7:
+        raise ValueError(f"audio_prompt_tokens has {len(arr)} tokens, not whole 7-token frames")
+    codes = arr - AUDIO_TOKEN_OFFSET - 4096 * (np.arange(len(arr)) % 7)
+    if len(arr) and (codes.min() < 0 or codes.max() >= 4096):
+        raise ValueError("audio_prompt_tokens holds a token that is not an audio token of its "
+                         "position in the frame")
+
+
+def speech_tokens(generated: Sequence[int]) -> np.ndarray:
+    """The audio tokens of what the model generated (special tokens such as <end_of_speech>
+    left out)."""
+    arr = np.asarray(generated, dtype=np.int64)
+    return arr[(arr >= AUDIO_TOKEN_OFFSET) & (arr < VOCAB_SIZE)]
+
+
+def is_orpheus_directory(directory: str) -> bool:
+    """A Llama with Orpheus's vocabulary, its SNAC decoder in `snac/` beside it."""
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    snac = os.path.join(directory, SNAC_SUBDIRECTORY)
+    return (config.get("model_type") == "llama"
+            and config.get("vocab_size", 0) >= VOCAB_SIZE
+            and os.path.isfile(os.path.join(snac, "config.json"))
+            and os.path.isfile(os.path.join(snac, "pytorch_model.bin")))
