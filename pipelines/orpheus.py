@@ -33,10 +33,15 @@ END_OF_HUMAN = 128260
 START_OF_AI = 128261
 END_OF_AI = 128262
 AUDIO_TOKEN_OFFSET = 128266
-AUDIO_TOKENS = 7 * 4096
+TOKENS_PER_FRAME = 7
+AUDIO_TOKENS = TOKENS_PER_FRAME * 4096
 VOCAB_SIZE = AUDIO_TOKEN_OFFSET + AUDIO_TOKENS  # 156938
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
-SNAC_SUBDIRECTORY = "snac"  # the decoder beside the language model in a served directory
+SNAC_SUBDIRECTORY = "snac"
+# The decoder's chunks (4 frames, 340 ms at 24 kHz) and the frames it holds back while the
+# language model may still write (worker/speech/snac_decoder.py says why).
+AUDIO_CHUNK_TOKENS = 4 * TOKENS_PER_FRAME
+LOOKAHEAD_TOKENS = 4 * TOKENS_PER_FRAME  # the decoder beside the language model in a served directory
 
 _HUMAN_END = (END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH)
 
@@ -81,11 +86,16 @@ def check_audio_tokens(tokens: Sequence[int]) -> None:
                          "position in the frame")
 
 
-def speech_tokens(generated: Sequence[int]) -> np.ndarray:
-    """The audio tokens of what the model generated (special tokens such as <end_of_speech>
-    left out)."""
-    arr = np.asarray(generated, dtype=np.int64)
-    return arr[(arr >= AUDIO_TOKEN_OFFSET) & (arr < VOCAB_SIZE)]
+def accept_speech_tokens(generated: Sequence[int], count: int) -> np.ndarray:
+    """The audio tokens of what the model generated, after `count` accepted before: each
+    must be an audio token of its position in the frame, as canopylabs' decoder reads them
+    (special tokens such as <end_of_speech>, and misplaced audio tokens, are left out)."""
+    accepted = []
+    for token in np.asarray(generated, dtype=np.int64).tolist():
+        low = AUDIO_TOKEN_OFFSET + 4096 * ((count + len(accepted)) % TOKENS_PER_FRAME)
+        if low <= token < low + 4096:
+            accepted.append(token)
+    return np.asarray(accepted, dtype=np.int64)
 
 
 def is_orpheus_directory(directory: str) -> bool:

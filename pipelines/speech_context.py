@@ -12,6 +12,10 @@ Piper, Loom's phoneme voice, uses the same context: the API process phonemizes t
 sentence segments (the first one short so the first audio comes quickly), which are the speech
 tokens, all known up front (`status` ends at creation); `segment_lengths` lets the decoder take
 one sentence per chunk.
+
+Two statuses: `status` (and `is_done`) is the language model's, as for any TextContext, so
+the text scheduler runs a TTSContext as it runs text; `audio_generation_status` is the
+audio's, done once every whole frame of speech tokens has been decoded.
 """
 
 from __future__ import annotations
@@ -58,11 +62,7 @@ class TTSContext(TextContext, kw_only=True, omit_defaults=True, eq=False):
     speed: float = 1.0
     segment_lengths: list[int] = msgspec.field(default_factory=list)
     _audio_chunks: int = 0  # audio chunks returned so far
-
-    @property
-    def is_done(self) -> bool:
-        """The request is done when its audio is (its speech tokens may end earlier)."""
-        return self.audio_generation_status.is_done
+    _lm_read_idx: int = -1  # generated tokens read into the speech tokens (-1: none yet)
 
     @property
     def speech_tokens(self) -> np.ndarray:

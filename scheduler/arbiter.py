@@ -123,7 +123,11 @@ class Arbiter:
             return None
         self.inflight.popleft()
         self.fair_share.record(sent.source.kind, result.finished_at - result.started_at)
-        return sent.source.after_step(sent.state, result)
+        batch = sent.source.after_step(sent.state, result)
+        if self.speech is not None and self.speech.lm is not None and sent.source is self.text:
+            # A speech request's language model writes speech tokens: they come back as audio.
+            batch.outputs = [o for o in batch.outputs if not self.speech.owns(o.request_id)]
+        return batch
 
     def idle(self) -> None:
         """The worker has nothing to run: its wait for the next step is not step overhead."""

@@ -43,9 +43,13 @@ def test_a_given_prompt_is_used_as_is():
     assert orpheus.prompt_tokens(AudioGenerationRequest(prompt=[1, 2, 3]), encode) == [1, 2, 3]
 
 
-def test_speech_tokens_leave_special_tokens_out():
-    generated = [*audio_tokens(1), orpheus.END_OF_SPEECH]
-    assert orpheus.speech_tokens(generated).tolist() == audio_tokens(1)
+def test_speech_tokens_leave_special_and_misplaced_tokens_out():
+    frame = audio_tokens(1)
+    generated = [frame[0], frame[0], *frame[1:4], orpheus.START_OF_AI, *frame[4:],
+                 orpheus.END_OF_SPEECH]
+    assert orpheus.accept_speech_tokens(generated, 0).tolist() == frame
+    assert orpheus.accept_speech_tokens(frame[3:], 3).tolist() == frame[3:]
+    assert orpheus.accept_speech_tokens(frame[3:], 0).tolist() == []
     assert orpheus.recommended_sampling().stop_token_ids == [orpheus.END_OF_SPEECH]
 
 

@@ -95,7 +95,8 @@ def stream(decoder, requests: dict[str, np.ndarray], block: int, chunk: int):
 
     decoder._decode = counting_decode
     for _ in range(1000):
-        active = {rid: ctx for rid, ctx in contexts.items() if not ctx.is_done}
+        active = {rid: ctx for rid, ctx in contexts.items()
+                  if not ctx.audio_generation_status.is_done}
         if not active:
             break
         for rid, ctx in active.items():
@@ -108,8 +109,8 @@ def stream(decoder, requests: dict[str, np.ndarray], block: int, chunk: int):
         for rid, response in decoder.next_chunk(active, chunk).items():
             if response.has_audio_data:
                 audio[rid].append(response.audio_data)
-            assert response.is_done == contexts[rid].is_done
-    assert all(ctx.is_done for ctx in contexts.values())
+            assert response.is_done == contexts[rid].audio_generation_status.is_done
+    assert all(ctx.audio_generation_status.is_done for ctx in contexts.values())
     return audio, batch_sizes
 
 
@@ -155,4 +156,5 @@ def test_a_request_stopped_before_a_whole_frame_ends_without_audio(snac_dir):
     ctx.status = GenerationStatus.MAXIMUM_LENGTH
     response = decoder.next_chunk({"x": ctx}, 28)["x"]
     assert response.is_done and not response.has_audio_data
-    assert response.final_status is GenerationStatus.MAXIMUM_LENGTH and ctx.is_done
+    assert response.final_status is GenerationStatus.MAXIMUM_LENGTH
+    assert ctx.audio_generation_status.is_done

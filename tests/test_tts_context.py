@@ -24,6 +24,8 @@ def test_tts_context_is_a_text_context_with_the_documented_members():
         assert hasattr(ctx, name), name
     assert ctx.speech_tokens.size == 0 and ctx.decoded_index == 0 and not ctx.streaming
     assert ctx.audio_generation_status is GenerationStatus.ACTIVE and not ctx.is_done
+    ctx.update_audio_generation_status(GenerationStatus.END_OF_SEQUENCE)
+    assert not ctx.is_done  # is_done is the language model's, as for any TextContext
     for name in ("AudioGenerationRequest", "AudioGenerationResponse", "AudioGenerator",
                  "AudioGeneratorOutput", "TTSContext"):
         assert name in pipelines.__all__
@@ -75,7 +77,8 @@ def test_a_tts_context_travels_as_itself_through_the_codec():
 
 def test_piper_context_speaks_one_sentence_per_chunk():
     ctx = TTSContext.from_phoneme_segments([np.arange(3), np.arange(5)], request_id="s")
-    assert ctx.prompt_length == 8 and ctx.status.is_done and not ctx.is_done
+    assert ctx.prompt_length == 8 and ctx.is_done  # no language model to run
+    assert not ctx.audio_generation_status.is_done
     assert ctx.next_segment_length() == 3
     ctx.decoded_index = 3
     assert ctx.next_segment_length() == 5
@@ -86,3 +89,53 @@ def test_piper_context_speaks_one_sentence_per_chunk():
 def test_piper_context_needs_a_phoneme():
     with pytest.raises(ValueError):
         TTSContext.from_phoneme_segments([])
+
+
+class FakeLM:
+    def __init__(self):
+        self.added, self.aborted = [], set()
+
+    def add(self, ctx):
+        self.added.append(ctx.request_id)
+
+    def abort(self, request_ids):
+        self.aborted |= request_ids
+
+
+def test_speech_queue_decodes_what_the_language_model_writes_in_batched_chunks():
+    from pipelines import orpheus
+    from scheduler.speech_queue import SpeechQueue
+    from serialization.messages import AudioResult
+
+    lm = FakeLM()
+    queue = SpeechQueue(lm)
+    a, b = (TTSContext(tokens=np.arange(6), max_length=1000, request_id=r) for r in "ab")
+    queue.add(a)
+    queue.add(b)
+    assert lm.added == ["a", "b"] and not queue.has_work
+    frames = [orpheus.AUDIO_TOKEN_OFFSET + 4096 * (i % 7) + i for i in range(7 * 9)]
+    for token in frames[:55]:  # 55 >= a chunk (28) and the frames held back (28)
+        a.update(token)
+    b.update(orpheus.START_OF_SPEECH)  # not a speech token
+    for token in frames[:56]:
+        b.update(token)
+    step, sent = queue.next_step()
+    assert [c.request_id for c in step.contexts] == ["b"] and step.num_tokens == 28
+    assert b.speech_tokens.tolist() == frames[:56]
+    queue.after_step(sent, AudioResult(step_id=step.step_id, audio=[np.ones(4, np.int16)],
+                                       decoded_index=[28]))
+    a.update(frames[55])
+    for token in frames[56:]:
+        b.update(token)
+    b.update(orpheus.END_OF_SPEECH)
+    b.status = GenerationStatus.END_OF_SEQUENCE  # (the text scheduler's stop)
+    step, sent = queue.next_step()
+    assert [c.request_id for c in step.contexts] == ["a", "b"]  # one step, both chunks
+    batch = queue.after_step(sent, AudioResult(step_id=step.step_id,
+                                               audio=[np.ones(4, np.int16)] * 2,
+                                               decoded_index=[28, 63]))
+    assert [(c.request_id, c.index, c.is_last) for c in batch.audio] == [
+        ("a", 0, False), ("b", 1, True)]
+    assert queue.owns("a") and not queue.owns("b") and len(queue) == 1
+    queue.abort({"a"})
+    assert not queue.has_work and not queue.owns("a")

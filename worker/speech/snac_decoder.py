@@ -32,12 +32,13 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from pipelines import orpheus
 from pipelines.audio_generation import AudioGenerationResponse
 from pipelines.speech_context import TTSContext
 from pipelines.status import GenerationStatus
 
-TOKENS_PER_FRAME = 7
-ORPHEUS_AUDIO_TOKEN_OFFSET = 128266  # <custom_token_10>: Llama 3's 128256 + 10
+TOKENS_PER_FRAME = orpheus.TOKENS_PER_FRAME
+ORPHEUS_AUDIO_TOKEN_OFFSET = orpheus.AUDIO_TOKEN_OFFSET  # <custom_token_10>: 128256 + 10
 CODEBOOK_SIZE = 4096
 # Which codebook each of a frame's 7 tokens belongs to, in order within that codebook.
 _FRAME_LAYOUT = ((0, (0,)), (1, (1, 4)), (2, (2, 3, 5, 6)))
@@ -66,7 +67,8 @@ def codes_to_tokens(codes: list[np.ndarray], token_offset: int) -> np.ndarray:
 
 class SnacDecoder:
     def __init__(self, model, *, token_offset: int = ORPHEUS_AUDIO_TOKEN_OFFSET,
-                 buffer_frames: int = 4, lookahead_frames: int = 4,
+                 buffer_frames: int = 4,
+                 lookahead_frames: int = orpheus.LOOKAHEAD_TOKENS // TOKENS_PER_FRAME,
                  device: str | torch.device = "cpu") -> None:
         if list(model.vq_strides) != [4, 2, 1]:
             raise ValueError(f"Orpheus's frames need SNAC's three codebooks of strides 4, 2, 1; "
