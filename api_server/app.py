@@ -15,6 +15,7 @@ from api_server.anthropic_route import AnthropicRoute
 from api_server.cross_site import HostPolicy, guard_cross_site
 from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
+from api_server.images_route import ImagesRoute
 from api_server.metrics import Metrics
 from api_server.middleware import PUBLIC_PATHS, limit_body_size, require_api_key
 from api_server.openai_routes import OpenAIRoutes
@@ -36,7 +37,8 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
               api_key: str | None = None, max_request_bytes: int = 16 << 20,
               speech: SpeechRoute | None = None, metrics_public: bool = False,
               bound_host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = (),
-              allowed_origins: tuple[str, ...] = (), web_ui: bool = True):
+              allowed_origins: tuple[str, ...] = (), web_ui: bool = True,
+              images: ImagesRoute | None = None):
     async def health(request: Request) -> Response:
         reason = state.unhealthy_reason()
         if reason is None:
@@ -95,6 +97,8 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
             Route("/v1/embeddings", embeddings.create, methods=["POST"]),
             Route("/v1/audio/speech", speech.create, methods=["POST"]),
             *(web_chat_routes() if web_ui else []),
+            *([Route("/v1/images/generations", images.create, methods=["POST"])]
+              if images is not None else []),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )

@@ -259,7 +259,12 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
         raise StartupError(f"--model {path}: no such directory")
     else:
         try:
-            if model.task is PipelineTask.EMBEDDINGS_GENERATION:
+            if model.task is PipelineTask.PIXEL_GENERATION:
+                # The T5 encoder's length bounds a prompt; its tokenizer serves /tokenize.
+                from api_server.pixel_tokenizer import T5_MAX_LENGTH
+
+                max_length, tokenizer = T5_MAX_LENGTH, os.path.join(path, "tokenizer_2")
+            elif model.task is PipelineTask.EMBEDDINGS_GENERATION:
                 from pipelines.checkpoint.bert_config import BertConfig
 
                 max_length = BertConfig.from_dir(path).max_seq_length

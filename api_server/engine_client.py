@@ -18,6 +18,7 @@ import zmq.asyncio
 from api_server.metrics import Metrics, RequestClock
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
+from pipelines.pixel_context import GenerationOutput, PixelContext
 from pipelines.response import TextGenerationOutput
 from pipelines.speech_context import TTSContext
 from pipelines.status import GenerationStatus
@@ -93,6 +94,7 @@ class EngineClient:
         self._by_reference: dict[str, TextContext] = {}
         self._resends: set[asyncio.Task] = set()
         self.audio_streams: dict[str, asyncio.Queue] = {}
+        self.pixel_streams: dict[str, asyncio.Queue[GenerationOutput]] = {}
         # Admission bookkeeping: requests admitted or sent that have produced nothing yet.
         # A reservation is made when a request is admitted, before its stream starts, so a
         # burst of requests can't all pass the check before any of them is counted.
@@ -163,6 +165,10 @@ class EngineClient:
                     queue = self.audio_streams.get(chunk.request_id)
                     if queue is not None:
                         queue.put_nowait(chunk)
+                for out in msg.images:
+                    queue = self.pixel_streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
                 for item in msg.embeddings:
                     waiter = self._embed_waiters.pop(item.request_id, None)
                     if waiter is not None and not waiter.done():
@@ -192,6 +198,31 @@ class EngineClient:
             queue.put_nowait(AudioChunk(request_id=request_id, audio=np.zeros(0, np.int16),
                                         index=-1, is_last=True,
                                         error=f"the engine stopped: {reason}"))
+        for request_id, queue in self.pixel_streams.items():
+            queue.put_nowait(GenerationOutput(request_id=request_id,
+                                              final_status=GenerationStatus.ERROR,
+                                              error=f"the engine stopped: {reason}"))
+
+    async def paint(self, ctx: PixelContext) -> AsyncIterator[GenerationOutput]:
+        """Send an image request; yield its progress, one output per denoising step, the
+        last with the images. Leaving early cancels the rest in the scheduler."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.pixel_streams[ctx.request_id] = queue
+        finished = False
+        try:
+            await self.requests.send(self.encode(ctx), copy=False)
+            while not finished:
+                out = await queue.get()
+                if out.error is not None:
+                    raise GenerationFailed(out.error)
+                finished = out.is_done
+                yield out
+        finally:
+            del self.pixel_streams[ctx.request_id]
+            if not finished and not self.closed and self.dead_reason is None:
+                self.cancel([ctx.request_id])
 
     async def speak(self, ctx: TTSContext) -> AsyncIterator[AudioChunk]:
         """Send a speech context; yield its audio chunks as they are synthesized. Leaving

@@ -217,6 +217,8 @@ class Launcher:
         embedding_dim = None
         if model.task is PipelineTask.EMBEDDINGS_GENERATION:
             embedding_dim, eos = BertConfig.from_dir(model.model_path).hidden_size, []
+        elif model.task is PipelineTask.PIXEL_GENERATION:
+            eos = []
         else:
             eos = load_model_config(model.model_path,
                                     bool(cfg.custom_architectures)).eos_token_ids
@@ -238,7 +240,8 @@ class Launcher:
                         max_request_bytes=server_cfg.max_request_bytes, speech=speech,
                         metrics_public=server_cfg.metrics_public, bound_host=server_cfg.host,
                         allowed_hosts=server_cfg.allowed_hosts,
-                        allowed_origins=server_cfg.allowed_origins, web_ui=server_cfg.web_ui)
+                        allowed_origins=server_cfg.allowed_origins, web_ui=server_cfg.web_ui,
+                        images=_images_route(engine, state, model))
         server = _Server(uvicorn.Config(
             app, log_level=server_cfg.log_level, access_log=server_cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
@@ -351,6 +354,17 @@ def serve(cfg: PipelineConfig) -> int:
     finally:
         launcher.stop_children()
         listen_socket.close()
+
+
+def _images_route(engine, state, model):
+    """The Images API, for a diffusers pipeline directory (none for other models)."""
+    if model.task is not PipelineTask.PIXEL_GENERATION:
+        return None
+    from api_server.images_route import ImagesRoute
+    from api_server.pixel_tokenizer import PixelGenerationTokenizer
+
+    return ImagesRoute(engine, state, PixelGenerationTokenizer(model.model_path),
+                       model.served_model_name)
 
 
 def _import_streaming_backend() -> None:

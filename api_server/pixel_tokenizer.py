@@ -27,6 +27,7 @@ from pipelines.flow_match import (
 from pipelines.pixel_context import PixelContext
 
 MAX_STEPS = 100
+T5_MAX_LENGTH = 512  # FluxPipeline's max_sequence_length (and its upper bound)
 MAX_IMAGES = 4
 # Sizes are multiples of this: the VAE's 8x downsampling times FLUX's 2x2 patches.
 SIZE_MULTIPLE = 16
@@ -52,13 +53,14 @@ def _read_json(path: str) -> dict:
 
 
 class PixelGenerationTokenizer:
-    def __init__(self, model_dir: str, max_sequence_length: int = 512,
+    def __init__(self, model_dir: str, max_sequence_length: int = T5_MAX_LENGTH,
                  max_image_size: int = 2048) -> None:
         self.tokenizer = load_hf_tokenizer(os.path.join(model_dir, "tokenizer"))
         self.tokenizer_2 = load_hf_tokenizer(os.path.join(model_dir, "tokenizer_2"))
         # FluxPipeline's lengths: CLIP's model_max_length (77), T5's max_sequence_length.
         self.max_length = int(self.tokenizer.model_max_length)
         self.max_length_2 = max_sequence_length
+        self.pad_id_2 = self.tokenizer_2.pad_token_id
         self.scheduler_config = _read_json(os.path.join(model_dir, "scheduler",
                                                         "scheduler_config.json"))
         check_scheduler_config(self.scheduler_config)

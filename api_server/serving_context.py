@@ -94,6 +94,9 @@ class ServingContext:
                                code="model_not_found")
 
     def check_generates(self) -> None:
+        if self.task is PipelineTask.PIXEL_GENERATION:
+            raise RequestError(f"the model `{self.model_name}` generates images; use "
+                               f"/v1/images/generations", param="model")
         if self.task is not PipelineTask.TEXT_GENERATION:
             raise RequestError(f"the model `{self.model_name}` serves embeddings; use "
                                f"/v1/embeddings", param="model")

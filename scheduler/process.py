@@ -205,7 +205,7 @@ class SchedulerLoop:
         """Outputs to the API process, with the scheduler's stats when they changed."""
         stats = self.arbiter.take_stats()
         stats.malformed_frames_total = malformed_frame_counts()
-        if response.outputs or response.embeddings or response.audio \
+        if response.outputs or response.embeddings or response.audio or response.images \
                 or stats != self._last_stats:
             response.stats = stats
             self.responses.send(self.encode(response))

@@ -136,7 +136,9 @@ ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
 
 def detect_task(model_dir: str) -> PipelineTask:
     """EMBEDDINGS_GENERATION for a BERT-style encoder or a sentence-transformers checkpoint,
-    else TEXT_GENERATION."""
+    PIXEL_GENERATION for a diffusers pipeline (model_index.json), else TEXT_GENERATION."""
+    if os.path.isfile(os.path.join(model_dir, "model_index.json")):
+        return PipelineTask.PIXEL_GENERATION
     path = os.path.join(model_dir, "config.json")
     raw = {}
     if os.path.isfile(path):

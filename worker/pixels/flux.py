@@ -60,9 +60,9 @@ class FluxRunner:
     @torch.inference_mode()
     def _encode(self, tokens: np.ndarray, tokens_2: np.ndarray,
                 n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)[None]
+        ids = torch.from_numpy(np.array(tokens, dtype=np.int64)).to(self.device)[None]
         pooled = self.text_encoder(ids, output_hidden_states=False).pooler_output
-        ids_2 = torch.from_numpy(np.asarray(tokens_2, dtype=np.int64)).to(self.device)[None]
+        ids_2 = torch.from_numpy(np.array(tokens_2, dtype=np.int64)).to(self.device)[None]
         embeds = self.text_encoder_2(ids_2, output_hidden_states=False)[0]
         return (embeds.to(self.dtype).repeat(n, 1, 1), pooled.to(self.dtype).repeat(n, 1))
 

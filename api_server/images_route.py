@@ -1,0 +1,130 @@
+"""POST /v1/images/generations: OpenAI's Images API on a FLUX-family model.
+
+The request becomes one PixelContext (PixelGenerationTokenizer.new_context: tokens, schedule,
+seeded noise); the scheduler runs it as denoising steps batched with other image requests;
+the last step's pixels come back as uint8 arrays and are encoded here. Extensions beyond
+OpenAI's fields: `seed`, `negative_prompt`, `num_inference_steps`, `guidance_scale`,
+`true_cfg_scale`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import time
+import uuid
+from typing import Literal
+
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
+from api_server.off_loop import OFF_LOOP, parse_body
+from api_server.pixel_tokenizer import PixelGenerationRequest, PixelGenerationTokenizer
+from api_server.protocol import RequestError
+from api_server.server_state import ServerState
+from api_server.serving_context import error_response, json_response
+
+FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+class ImagesRequest(msgspec.Struct, kw_only=True):
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    size: str = "auto"
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    output_compression: int | None = None
+    quality: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    style: str | None = None
+    user: str | None = None
+    stream: Literal[False] = False
+    # Extensions.
+    seed: int | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int = 28
+    guidance_scale: float = 3.5
+    true_cfg_scale: float = 1.0
+
+
+def encode_image(pixels: np.ndarray, output_format: str, compression: int | None) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    options = {} if compression is None or output_format == "png" else {"quality": compression}
+    Image.fromarray(pixels).save(buf, format=FORMATS[output_format], **options)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class ImagesRoute:
+    def __init__(self, engine: EngineClient, state: ServerState,
+                 tokenizer: PixelGenerationTokenizer, model_name: str,
+                 default_size: int = 1024) -> None:
+        self.engine, self.state, self.tokenizer = engine, state, tokenizer
+        self.model_name = model_name
+        self.default_size = min(default_size, tokenizer.max_image_size)
+
+    def _size(self, size: str) -> tuple[int, int]:
+        if size == "auto":
+            return self.default_size, self.default_size
+        match = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size)
+        if match is None:
+            raise RequestError(f"size must be WIDTHxHEIGHT or auto, not {size[:40]!r}",
+                               param="size")
+        return int(match[2]), int(match[1])
+
+    def _request(self, req: ImagesRequest, request_id: str) -> PixelGenerationRequest:
+        if req.model is not None and req.model != self.model_name:
+            raise RequestError(f"the model `{req.model}` does not exist", param="model",
+                               status=404, code="model_not_found")
+        if req.response_format != "b64_json":
+            raise RequestError("response_format must be b64_json (this server keeps no image "
+                               "URLs)", param="response_format")
+        if req.output_format not in FORMATS:
+            raise RequestError("output_format must be png, jpeg or webp", param="output_format")
+        if req.output_compression is not None and not 0 <= req.output_compression <= 100:
+            raise RequestError("output_compression must be from 0 to 100",
+                               param="output_compression")
+        if req.seed is not None and not 0 <= req.seed < 2 ** 63:
+            raise RequestError("seed must be from 0 to 2**63 - 1", param="seed")
+        if not 0 <= req.guidance_scale <= 100 or not 1 <= req.true_cfg_scale <= 100:
+            raise RequestError("guidance_scale must be from 0 to 100 and true_cfg_scale from "
+                               "1 to 100", param="guidance_scale")
+        height, width = self._size(req.size)
+        return PixelGenerationRequest(
+            prompt=req.prompt, negative_prompt=req.negative_prompt, height=height, width=width,
+            num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
+            true_cfg_scale=req.true_cfg_scale, num_images_per_prompt=req.n, seed=req.seed,
+            request_id=request_id, model_name=self.model_name)
+
+    async def create(self, request: Request) -> Response:
+        created = int(time.time())
+        try:
+            req = await parse_body(await request.body(), ImagesRequest)
+            self.state.check_available()
+            pixel_request = self._request(req, f"img-{uuid.uuid4().hex}")
+            ctx = await OFF_LOOP.run(self.tokenizer.new_context, pixel_request)
+            images = None
+            async for out in self.engine.paint(ctx):
+                if out.is_done:
+                    images = out.images
+            data = [{"b64_json": await OFF_LOOP.run(encode_image, img, req.output_format,
+                                                    req.output_compression)}
+                    for img in images]
+        except RequestError as exc:
+            return error_response(exc)
+        except (GenerationFailed, EngineDeadError) as exc:
+            return error_response(RequestError(f"image generation failed: {exc}", status=500))
+        text_tokens = int(np.count_nonzero(ctx.tokens_2 != self.tokenizer.pad_id_2))
+        return json_response({
+            "created": created, "data": data, "output_format": req.output_format,
+            "size": f"{ctx.width}x{ctx.height}",
+            "usage": {"input_tokens": text_tokens, "output_tokens": 0,
+                      "total_tokens": text_tokens,
+                      "input_tokens_details": {"text_tokens": text_tokens, "image_tokens": 0}}})

@@ -1,0 +1,119 @@
+"""POST /v1/images/generations on a real server serving a tiny random FLUX directory
+(tests/tiny_flux.py, detected by its model_index.json): the official openai client's
+images.generate gets PNGs equal to diffusers' FluxPipeline on the same latents and schedule
+(to one 8-bit level: PNG is lossless, batching moves floats by < 1e-4), concurrent requests
+share steps and still get their own images, and hostile requests get 400s."""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("diffusers")
+
+from tests.helpers import start_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory) -> str:
+    from tests.tiny_flux import make_tiny_flux
+
+    return make_tiny_flux(str(tmp_path_factory.mktemp("tiny-flux")))
+
+
+@pytest.fixture(scope="module")
+def server(flux_dir):
+    srv = start_server(flux_dir, "--served-model-name", "tiny-flux")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def expected(flux_dir):
+    """The image diffusers' FluxPipeline makes for a request, as uint8 [n, H, W, 3]."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from api_server.pixel_tokenizer import PixelGenerationRequest, PixelGenerationTokenizer
+    from worker.pixels.flux import to_uint8
+
+    pipe = FluxPipeline.from_pretrained(flux_dir)
+    pipe.set_progress_bar_config(disable=True)
+    tok = PixelGenerationTokenizer(flux_dir)
+
+    def run(prompt, size, n, seed, steps):
+        height, width = size
+        ctx = tok.new_context(PixelGenerationRequest(
+            prompt=prompt, height=height, width=width, num_images_per_prompt=n, seed=seed,
+            num_inference_steps=steps))
+        return to_uint8(pipe(prompt=prompt, height=height, width=width, num_images_per_prompt=n,
+                             num_inference_steps=steps, latents=torch.from_numpy(ctx.latents),
+                             output_type="np").images)
+    return run
+
+
+def pixels(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def test_openai_client_generates_the_pipeline_images(client, expected):
+    result = client.images.generate(model="tiny-flux", prompt="a red cat", n=2, size="48x32",
+                                    response_format="b64_json",
+                                    extra_body={"seed": 5, "num_inference_steps": 3})
+    assert len(result.data) == 2 and result.size == "48x32" and result.output_format == "png"
+    got = np.stack([pixels(d.b64_json) for d in result.data])
+    assert got.shape == (2, 32, 48, 3)  # (size is WIDTHxHEIGHT)
+    assert np.abs(got.astype(int) - expected("a red cat", (32, 48), 2, 5, 3)).max() <= 1
+    assert result.usage.input_tokens == 4  # "a", "red", "cat" and T5's </s>
+
+
+def test_concurrent_requests_get_their_own_images(client, expected):
+    def generate(seed):
+        r = client.images.generate(model="tiny-flux", prompt="green hills", size="32x32",
+                                   extra_body={"seed": seed, "num_inference_steps": 4})
+        return pixels(r.data[0].b64_json)
+
+    with ThreadPoolExecutor(4) as pool:
+        images = list(pool.map(generate, range(4)))
+    for seed, image in enumerate(images):
+        ref = expected("green hills", (32, 32), 1, seed, 4)[0]
+        assert np.abs(image.astype(int) - ref).max() <= 1
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"size": "1000x1000"}, "size"), ({"size": "0x16"}, "size"),
+    ({"size": "99999x99999"}, "size"), ({"size": "16x16x"}, "size"),
+    ({"n": 5}, "n"), ({"n": 0}, "n"), ({"num_inference_steps": 101}, "steps"),
+    ({"response_format": "url"}, "response_format"), ({"output_format": "gif"}, "output_format"),
+    ({"prompt": "sun " * 600}, "prompt"), ({"seed": -1}, "seed"),
+])
+def test_hostile_requests_get_400s(server, body, param):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/images/generations",
+                   json={"prompt": "sun", "size": "32x32", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    # ...and the server goes on serving.
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_text_routes_point_to_the_images_api(server):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400 and "/v1/images/generations" in r.json()["error"]["message"]
