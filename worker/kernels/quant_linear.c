@@ -913,7 +913,7 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
     }
 }
 
-/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K) --------------------
+/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) --------------
  *
  * In the GGUF layout a weight row's blocks follow each other, so a tile multiplies a block
  * with its activations into a vector of partial sums and must add the vector's lanes up at
@@ -927,7 +927,9 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
  *     Q4_K (a super-block of 256):
  *                  [d x 8][dmin x 8][12 x (scale byte k x 8 rows)][32 x (4 quant bytes x 8 rows)]
  *                                                                   1152 bytes
- * (a Q4_K sub-block's 8 scales and mins, 6 bits each, then unpack as 8 lanes at once).
+ *     Q6_K:        [d x 8][16 x (scale k x 8 rows)][32 x (4 low-nibble bytes x 8 rows)]
+ *                  [16 x (4 high-bit bytes x 8 rows)]                1680 bytes
+ * (a sub-block's 8 scales and mins, or scales, then unpack as 8 lanes at once).
  * (the bytes of 8 GGUF blocks, rearranged). A 256-bit load is then 4 quant bytes of each row,
  * lane i being row i: multiply-added with 4 activations broadcast to every lane, each lane
  * sums its own row, and the block's 8 scales are one conversion. llama.cpp's repacked
@@ -942,7 +944,8 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
 
 #if defined(QS_AVX2)
 QS_INLINE int ql_x8_format(const int qt) {
-    return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q8_0 || qt == QL_Q4_K;
+    return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q8_0 || qt == QL_Q4_K ||
+           qt == QL_Q6_K;
 }
 #else
 QS_INLINE int ql_x8_format(const int qt) { (void)qt; return 0; }
@@ -968,6 +971,12 @@ QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int
         memcpy(buf + 2, g + 16 + 2 * lane, 2);
         for (int k = 0; k < 12; k++) buf[4 + k] = g[32 + 8 * k + lane];
         for (int c = 0; c < 32; c++) memcpy(buf + 16 + 4 * c, g + 128 + 32 * c + 4 * lane, 4);
+        return buf;
+    }
+    if (qt == QL_Q6_K) { /* GGUF: ql [128], qh [64], scales [16], d */
+        memcpy(buf + 208, g + 2 * lane, 2);
+        for (int k = 0; k < 16; k++) buf[192 + k] = g[16 + 8 * k + lane];
+        for (int c = 0; c < 48; c++) memcpy(buf + 4 * c, g + 144 + 32 * c + 4 * lane, 4);
         return buf;
     }
     memcpy(buf, g + 2 * lane, 2);
@@ -1001,6 +1010,13 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
                         memcpy(o + 128 + 32 * c + 4 * lane, blk + 16 + 4 * c, 4);
                     continue;
                 }
+                if (qtype == QL_Q6_K) {
+                    memcpy(o + 2 * lane, blk + 208, 2);
+                    for (int k = 0; k < 16; k++) o[16 + 8 * k + lane] = blk[192 + k];
+                    for (int c = 0; c < 48; c++) /* ql's 32 chunks, then qh's 16 */
+                        memcpy(o + 144 + 32 * c + 4 * lane, blk + 4 * c, 4);
+                    continue;
+                }
                 memcpy(o + 2 * lane, blk, 2);
                 if (head > 2) memcpy(o + 16 + (head - 2) * lane, blk + 2, head - 2);
                 for (int j = 0; j < (bytes - head) / 4; j++)
@@ -1031,6 +1047,7 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
 typedef struct {
     __m256i q[8];
     __m256 d, o;
+    __m256 d1, o1; /* Q6_K: weights 16..31's own scale (the first 16's: d, o) */
 } ql_x8_block;
 
 /* The 8 rows' byte k of a Q4_K super-block's scales, one per lane. */
@@ -1069,9 +1086,36 @@ QS_INLINE ql_x8_block ql_x8_decode_q4_k(const uint8_t *g, const int j) {
     return b;
 }
 
+/* Sub-block j of a Q6_K group (as ql_decode): q = 0..63 for -32..31, a scale per 16. */
+QS_INLINE ql_x8_block ql_x8_decode_q6_k(const uint8_t *g, const int j) {
+    ql_x8_block b;
+    const int half = j / 4, part = j % 4;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+    const __m256 sc0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64((const __m128i *)(g + 16 + 8 * (8 * half + 2 * part)))));
+    const __m256 sc1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64((const __m128i *)(g + 16 + 8 * (8 * half + 2 * part + 1)))));
+    b.d = _mm256_mul_ps(d, sc0);
+    b.d1 = _mm256_mul_ps(d, sc1);
+    b.o = _mm256_mul_ps(b.d, _mm256_set1_ps(-32.0f));
+    b.o1 = _mm256_mul_ps(b.d1, _mm256_set1_ps(-32.0f));
+    const uint8_t *ql = g + 144 + 32 * (16 * half + 8 * (part & 1));
+    const uint8_t *qh = g + 144 + 1024 + 32 * (8 * half);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m256i v = q_load(ql + 32 * k);
+        const __m256i low = _mm256_and_si256(part >= 2 ? _mm256_srli_epi16(v, 4) : v, nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(q_load(qh + 32 * k), 2 * part), two);
+        b.q[k] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    return b;
+}
+
 /* Block j of the group at g (j: the sub-block of a K-quant super-block; 0 otherwise). */
 QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g, const int j) {
     if (qt == QL_Q4_K) return ql_x8_decode_q4_k(g, j);
+    if (qt == QL_Q6_K) return ql_x8_decode_q6_k(g, j);
     ql_x8_block b;
     b.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
     if (qt == QL_Q4_1)
@@ -1135,6 +1179,26 @@ QS_INLINE __m256i ql_x8_word(const int8_t *xq, const int j) {
     return _mm256_set1_epi32(v);
 }
 
+/* Each row's (lane's) integer dot product of words j0 .. j0 + 3 (weights 4 j0 .. 4 j0 + 15)
+ * with their activations: Q6_K's halves, each with its own scale. Unsigned 6-bit weights:
+ * int16 sums of 2 words (2 x 2 x 63 x 127 = 32004). */
+QS_INLINE __m256i ql_x8_dot16(const ql_x8_block *w, const int8_t *xq, const int j0) {
+#if defined(QS_VNNI)
+    __m256i s0 = qs_dpbusd(_mm256_setzero_si256(), w->q[j0], ql_x8_word(xq, j0));
+    __m256i s1 = qs_dpbusd(_mm256_setzero_si256(), w->q[j0 + 1], ql_x8_word(xq, j0 + 1));
+    s0 = qs_dpbusd(s0, w->q[j0 + 2], ql_x8_word(xq, j0 + 2));
+    s1 = qs_dpbusd(s1, w->q[j0 + 3], ql_x8_word(xq, j0 + 3));
+    return _mm256_add_epi32(s0, s1);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w->q[j0], ql_x8_word(xq, j0)),
+                                       _mm256_maddubs_epi16(w->q[j0 + 1], ql_x8_word(xq, j0 + 1)));
+    const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(w->q[j0 + 2], ql_x8_word(xq, j0 + 2)),
+                                       _mm256_maddubs_epi16(w->q[j0 + 3], ql_x8_word(xq, j0 + 3)));
+    return _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
+#endif
+}
+
 /* Each row's (lane's) integer dot product of the gblock with one activation block. */
 QS_INLINE __m256i ql_x8_dot(const int qt, const ql_x8_block *w, const int8_t *xq) {
 #if defined(QS_VNNI)
@@ -1190,6 +1254,22 @@ QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_
         if (LOOM_QUANT_PF && b % sub == 0)
             for (int o = 0; o < gbytes; o += 64) __builtin_prefetch(gb + LOOM_QUANT_PF + o, 0, 3);
         const ql_x8_block w = ql_x8_decode(qt, gb, (int)(b % sub));
+        if (qt == QL_Q6_K) { /* two scales a block: its halves summed apart */
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const int64_t row = r0 + r;
+                const int8_t *xq = a->q + row * a->K + 32 * b;
+                const __m256 dx = _mm256_broadcast_ss(a->d + row * nb + b);
+                const float *s16 = a->s16 + row * 2 * nb + 2 * b;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ql_x8_dot16(&w, xq, 0)),
+                                         _mm256_mul_ps(w.d, dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ql_x8_dot16(&w, xq, 4)),
+                                         _mm256_mul_ps(w.d1, dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(w.o, _mm256_broadcast_ss(s16), acc[r]);
+                acc[r] = _mm256_fmadd_ps(w.o1, _mm256_broadcast_ss(s16 + 1), acc[r]);
+            }
+            continue;
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int64_t row = r0 + r;
@@ -1252,6 +1332,7 @@ QL_DEFINE_X8_CHUNK(QL_Q4_1)
 QL_DEFINE_X8_CHUNK(QL_Q5_0)
 QL_DEFINE_X8_CHUNK(QL_Q8_0)
 QL_DEFINE_X8_CHUNK(QL_Q4_K)
+QL_DEFINE_X8_CHUNK(QL_Q6_K)
 #endif
 
 /* The integer path's chunk function for a type number (QL_X8 added: the interleaved layout),
@@ -1264,6 +1345,7 @@ static ql_chunk_fn ql_kernel_for(const int kind) {
     case QL_Q4_1: return ql_x8_chunk_QL_Q4_1;
     case QL_Q5_0: return ql_x8_chunk_QL_Q5_0;
     case QL_Q4_K: return ql_x8_chunk_QL_Q4_K;
+    case QL_Q6_K: return ql_x8_chunk_QL_Q6_K;
     case QL_Q8_0: return ql_x8_chunk_QL_Q8_0;
     }
 #endif
@@ -1322,7 +1404,9 @@ QS_INLINE void ql_x8_dequantize(const int qt, const uint8_t *g, const int j,
         const __m256i v = qt == QL_Q8_0 && !QS_X8_Q8_OFFSET                                  \
             ? _mm256_srai_epi32(_mm256_slli_epi32(w.q[j], 24 - 8 * (t)), 24)                 \
             : _mm256_and_si256(_mm256_srli_epi32(w.q[j], 8 * (t)), byte);                    \
-        _mm256_storeu_ps(p + (4 * (j) + (t)) * NR, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), w.d, w.o)); \
+        _mm256_storeu_ps(p + (4 * (j) + (t)) * NR, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v),    \
+                         qt == QL_Q6_K && (j) >= 4 ? w.d1 : w.d,                             \
+                         qt == QL_Q6_K && (j) >= 4 ? w.o1 : w.o));                           \
     } while (0)
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
@@ -1404,6 +1488,7 @@ QL_DEFINE_F32_PANEL(Q4_0_X8, QL_Q4_0 | QL_X8)
 QL_DEFINE_F32_PANEL(Q4_1_X8, QL_Q4_1 | QL_X8)
 QL_DEFINE_F32_PANEL(Q5_0_X8, QL_Q5_0 | QL_X8)
 QL_DEFINE_F32_PANEL(Q4_K_X8, QL_Q4_K | QL_X8)
+QL_DEFINE_F32_PANEL(Q6_K_X8, QL_Q6_K | QL_X8)
 QL_DEFINE_F32_PANEL(Q8_0_X8, QL_Q8_0 | QL_X8)
 #endif
 
@@ -1425,6 +1510,7 @@ static ql_f32_panel_fn ql_f32_panel_for(const int kind) {
     case QL_Q4_1 | QL_X8: return ql_f32_panel_Q4_1_X8;
     case QL_Q5_0 | QL_X8: return ql_f32_panel_Q5_0_X8;
     case QL_Q4_K | QL_X8: return ql_f32_panel_Q4_K_X8;
+    case QL_Q6_K | QL_X8: return ql_f32_panel_Q6_K_X8;
     case QL_Q8_0 | QL_X8: return ql_f32_panel_Q8_0_X8;
 #endif
     default: return NULL;
