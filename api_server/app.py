@@ -63,7 +63,8 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
     extra = ExtraRoutes(serving)
     embeddings = EmbeddingsRoute(serving, serving.engine,
                                  serving.task is PipelineTask.EMBEDDINGS_GENERATION)
-    speech = speech or SpeechRoute(serving.engine, state, metrics)
+    speech = speech or SpeechRoute(serving.engine, state, metrics, serving.tokenizer,
+                                   serving.max_model_len)
     responses = ResponsesRoute(serving)
     messages = AnthropicRoute(serving)
 

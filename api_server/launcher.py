@@ -228,7 +228,7 @@ class Launcher:
         tokenizer.warm_up()
         _import_streaming_backend()
         state = ServerState(engine, server_cfg.admission)
-        speech = SpeechRoute(engine, state, metrics)
+        speech = SpeechRoute(engine, state, metrics, tokenizer, max_model_len)
         serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
                                  max_model_len, state, server_cfg, model.task, embedding_dim,
                                  extra_model_cards=speech.model_cards,

@@ -27,8 +27,10 @@ from api_server.protocol import RequestError
 from api_server.server_state import ServerState
 from api_server.serving_context import error_response
 from api_server.speech_text import MAX_INPUT_CHARS, text_to_segments
+from pipelines import orpheus
 from pipelines.audio_generation import AudioGenerationRequest
 from pipelines.speech_context import TTSContext
+from pipelines.status import PipelineTask
 
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 _json = msgspec.json.Encoder()
@@ -54,10 +56,19 @@ def wav_header(sample_rate: int) -> bytes:
 
 
 class SpeechRoute:
-    def __init__(self, engine: EngineClient, state: ServerState, metrics) -> None:
+    def __init__(self, engine: EngineClient, state: ServerState, metrics, tokenizer=None,
+                 max_model_len: int = 0) -> None:
         self.engine = engine
         self.state = state
         self.metrics = metrics
+        self.tokenizer = tokenizer  # a speech-token model's prompts (Orpheus)
+        self.max_model_len = max_model_len
+
+    @property
+    def writes_speech_tokens(self) -> bool:
+        """The served text model writes speech tokens (Orpheus): it is the voice."""
+        return self.engine.ready is not None \
+            and self.engine.ready.speech_task is PipelineTask.SPEECH_TOKEN_GENERATION
 
     @property
     def voices(self) -> list[str]:
@@ -96,7 +107,11 @@ class SpeechRoute:
                                f"voices: {', '.join(self.voices)}", param="model", status=404,
                                code="model_not_found")
         voice = req.voice.get("id", "") if isinstance(req.voice, dict) else req.voice
-        if voice not in _voice_names(req.model):
+        if self.writes_speech_tokens:
+            if voice not in ("", *orpheus.VOICES):
+                raise RequestError(f"unknown voice {voice!r}; this model's voices: "
+                                   f"{', '.join(orpheus.VOICES)}", param="voice")
+        elif voice not in _voice_names(req.model):
             raise RequestError(f"unknown voice {voice!r}; this model speaks as {req.model!r}",
                                param="voice")
         if not req.input.strip():
@@ -108,6 +123,8 @@ class SpeechRoute:
             raise RequestError(f"response_format {req.response_format!r} is not supported; use "
                                f"{' or '.join(MEDIA_TYPES)}", param="response_format")
         self.state.check_available()
+        if self.writes_speech_tokens:
+            return self._speech_token_context(req, voice or orpheus.VOICES[0])
         try:
             segments = text_to_segments(req.input)
         except ValueError as exc:
@@ -116,6 +133,24 @@ class SpeechRoute:
         return TTSContext.from_phoneme_segments(
             [np.asarray(s.phoneme_ids, dtype=np.int64) for s in segments],
             request_id=request.id, model_name=request.model, voice=req.model, speed=req.speed)
+
+    def _speech_token_context(self, req: SpeechRequest, voice: str) -> TTSContext:
+        """Orpheus's prompt for the text, sampled with the model's recommended settings."""
+        if req.speed != 1.0:
+            raise RequestError("speed is not supported by this model: use 1.0", param="speed")
+        request = AudioGenerationRequest(model=req.model, input=req.input)
+        tokenizer = self.tokenizer.delegate
+        ids = orpheus.prompt_tokens(
+            request, lambda text: tokenizer.encode(text, add_special_tokens=True), voice)
+        params = orpheus.recommended_sampling()
+        max_length = min(len(ids) + params.max_new_tokens, self.max_model_len or 1 << 30)
+        if len(ids) >= max_length:
+            raise RequestError("input is too long for this model's context", param="input",
+                               code="context_length_exceeded")
+        return TTSContext(tokens=np.asarray(ids, dtype=np.int64), max_length=max_length,
+                          sampling_params=params, eos_token_ids={orpheus.END_OF_SPEECH},
+                          request_id=request.id, model_name=req.model, voice=voice,
+                          streaming=True)
 
     async def _chunks(self, ctx: TTSContext):
         """PCM bytes per segment, with metrics; raises if synthesis fails mid-way."""

@@ -54,7 +54,8 @@ class Arbiter:
         if ready.task is PipelineTask.PIXEL_GENERATION:
             return cls(text, [PixelQueue(min(pipeline_config.max_batch_size, MAX_RUNNING))])
         if ready.voices:
-            speech = SpeechQueue()
+            lm = text if ready.speech_task is PipelineTask.SPEECH_TOKEN_GENERATION else None
+            speech = SpeechQueue(lm)
             return cls(text, [text, speech], speech)
         return cls(text, [text])
 

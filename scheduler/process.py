@@ -119,7 +119,7 @@ class SchedulerLoop:
         self.responses.send(self.encode(SchedulerReady(
             num_blocks=ready.num_blocks, block_size=ready.block_size,
             max_model_len=ready.max_model_len, task=ready.task, voices=ready.voices,
-            sample_rate=ready.sample_rate,
+            sample_rate=ready.sample_rate, speech_task=ready.speech_task,
         )))
 
     # ---- the loop ---------------------------------------------------------------------------

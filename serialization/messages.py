@@ -91,6 +91,9 @@ class SchedulerReady(msgspec.Struct, tag=True):
     task: PipelineTask = PipelineTask.TEXT_GENERATION
     voices: list[str] = []
     sample_rate: int = 0
+    # SPEECH_TOKEN_GENERATION: the text model writes speech tokens (Orpheus), a decoder
+    # streams them; AUDIO_GENERATION: a voice (Piper) beside the text model.
+    speech_task: PipelineTask = PipelineTask.AUDIO_GENERATION
 
 
 class SchedulerFailed(msgspec.Struct, tag=True):
@@ -264,6 +267,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     task: PipelineTask = PipelineTask.TEXT_GENERATION
     voices: list[str] = []  # speech voices the worker serves (empty: no speech)
     sample_rate: int = 0
+    speech_task: PipelineTask = PipelineTask.AUDIO_GENERATION  # (as SchedulerReady's)
 
 
 class WorkerFailed(msgspec.Struct, tag=True):

@@ -2,10 +2,6 @@
 SNAC: Orpheus's speech tokens streamed in chunks, batched across requests, must give the audio
 SNAC.decode gives for the whole sequence at once (the overlap buffer makes borders seamless)."""
 
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -13,6 +9,7 @@ torch = pytest.importorskip("torch")
 snac = pytest.importorskip("snac")
 
 from pipelines import AudioGenerator, GenerationStatus, TTSContext  # noqa: E402
+from tests.tiny_orpheus import make_tiny_snac  # noqa: E402
 from worker.speech.snac_decoder import (  # noqa: E402
     ORPHEUS_AUDIO_TOKEN_OFFSET,
     SnacDecoder,
@@ -20,28 +17,13 @@ from worker.speech.snac_decoder import (  # noqa: E402
     tokens_to_codes,
 )
 
-# snac_24khz's shape (rates, strides, codebooks) with narrow channels; no noise blocks, so a
-# decode is deterministic and chunks can equal the whole.
-TINY_SNAC = dict(sampling_rate=24000, encoder_dim=4, encoder_rates=[2, 4, 8, 8],
-                 decoder_dim=32, decoder_rates=[8, 8, 4, 2], attn_window_size=None,
-                 codebook_size=4096, codebook_dim=8, vq_strides=[4, 2, 1], noise=False,
-                 depthwise=True)
 FRAME = 2048  # samples per 7-token frame: hop 512 x coarsest stride 4
 TOLERANCE = 1e-5  # float32 convolutions over windows of other lengths sum in another order
 
 
 @pytest.fixture(scope="module")
 def snac_dir() -> str:
-    """The tiny SNAC as a from_pretrained directory, built once under ~/.cache/loom."""
-    directory = Path(os.path.expanduser("~/.cache/loom/tiny-snac-v1"))
-    if not (directory / "pytorch_model.bin").exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(0)
-        model = snac.SNAC(**TINY_SNAC)
-        (directory / "config.json").write_text(json.dumps(TINY_SNAC))
-        torch.save(model.state_dict(), directory / "pytorch_model.bin.tmp")
-        os.replace(directory / "pytorch_model.bin.tmp", directory / "pytorch_model.bin")
-    return str(directory)
+    return make_tiny_snac()
 
 
 @pytest.fixture(scope="module")

@@ -125,8 +125,16 @@ def _join_ranks(cfg: PipelineConfig, endpoints: Endpoints, rank: int) -> None:
 
 def _load_speech(cfg: PipelineConfig, rank: int):
     """The voice beside a text model (rank 0's alone), when asked for and installed."""
-    if cfg.model_config.task is not PipelineTask.TEXT_GENERATION or rank != 0 \
-            or not cfg.speech_config.enable_speech:
+    if cfg.model_config.task is not PipelineTask.TEXT_GENERATION or rank != 0:
+        return None
+    from pipelines import orpheus
+
+    if orpheus.is_orpheus_directory(cfg.model_config.model_path):  # it writes speech tokens
+        from worker.speech.snac_decoder import SnacDecoder
+
+        return SnacDecoder.for_checkpoint(cfg.model_config.model_path,
+                                          cfg.model_config.served_model_name)
+    if not cfg.speech_config.enable_speech:
         return None
     from worker.speech_runner import SpeechRunner
 
@@ -254,6 +262,7 @@ def _ready_message(runner, task: PipelineTask, speech) -> WorkerReady:
                         max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
     if speech is not None:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
+        ready.speech_task = speech.speech_task
     return ready
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from pipelines.audio_generation import AudioGenerationResponse, AudioGenerator
 from pipelines.speech_context import TTSContext
-from pipelines.status import GenerationStatus
+from pipelines.status import GenerationStatus, PipelineTask
 from serialization.messages import AudioResult, AudioStep
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ def run_audio_step(generator: AudioGenerator, step: AudioStep) -> AudioResult:
                        decoded_index=[ctx.decoded_index for ctx in batch.values()])
 
 class SpeechRunner:
+    speech_task = PipelineTask.AUDIO_GENERATION  # a voice beside the text model
+
     def __init__(self, noise: bool = True) -> None:
         import worker.speech as speech
 

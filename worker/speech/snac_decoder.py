@@ -35,7 +35,7 @@ import torch
 from pipelines import orpheus
 from pipelines.audio_generation import AudioGenerationResponse
 from pipelines.speech_context import TTSContext
-from pipelines.status import GenerationStatus
+from pipelines.status import GenerationStatus, PipelineTask
 
 TOKENS_PER_FRAME = orpheus.TOKENS_PER_FRAME
 ORPHEUS_AUDIO_TOKEN_OFFSET = orpheus.AUDIO_TOKEN_OFFSET  # <custom_token_10>: 128256 + 10
@@ -66,6 +66,8 @@ def codes_to_tokens(codes: list[np.ndarray], token_offset: int) -> np.ndarray:
 
 
 class SnacDecoder:
+    speech_task = PipelineTask.SPEECH_TOKEN_GENERATION  # the text model writes its tokens
+
     def __init__(self, model, *, token_offset: int = ORPHEUS_AUDIO_TOKEN_OFFSET,
                  buffer_frames: int = 4,
                  lookahead_frames: int = orpheus.LOOKAHEAD_TOKENS // TOKENS_PER_FRAME,
@@ -86,6 +88,16 @@ class SnacDecoder:
         from snac import SNAC
 
         return cls(SNAC.from_pretrained(directory), **kwargs)
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: str, voice_id: str) -> SnacDecoder:
+        """The decoder of an Orpheus directory (its `snac/`), served as the voice `voice_id`
+        (the served model's name)."""
+        import os
+
+        decoder = cls.from_pretrained(os.path.join(model_dir, orpheus.SNAC_SUBDIRECTORY))
+        decoder.voice_id, decoder.sample_rate = voice_id, decoder.decoder_sample_rate
+        return decoder
 
     @property
     def decoder_sample_rate(self) -> int:
