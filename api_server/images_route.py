@@ -14,12 +14,11 @@ import io
 import re
 import time
 import uuid
-from typing import Literal
 
 import msgspec
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
 from api_server.off_loop import OFF_LOOP, parse_body
@@ -29,6 +28,8 @@ from api_server.server_state import ServerState
 from api_server.serving_context import error_response, json_response
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+MAX_PARTIAL_IMAGES = 3
+_json = msgspec.json.Encoder()
 
 
 class ImagesRequest(msgspec.Struct, kw_only=True):
@@ -44,7 +45,8 @@ class ImagesRequest(msgspec.Struct, kw_only=True):
     moderation: str | None = None
     style: str | None = None
     user: str | None = None
-    stream: Literal[False] = False
+    stream: bool = False
+    partial_images: int = 0  # previews streamed before the image (OpenAI's: 0 to 3)
     # Extensions.
     seed: int | None = None
     negative_prompt: str | None = None
@@ -91,6 +93,11 @@ class ImagesRoute:
         if req.output_compression is not None and not 0 <= req.output_compression <= 100:
             raise RequestError("output_compression must be from 0 to 100",
                                param="output_compression")
+        if not 0 <= req.partial_images <= MAX_PARTIAL_IMAGES:
+            raise RequestError(f"partial_images must be from 0 to {MAX_PARTIAL_IMAGES}",
+                               param="partial_images")
+        if req.partial_images and not req.stream:
+            raise RequestError("partial_images needs stream: true", param="partial_images")
         if req.seed is not None and not 0 <= req.seed < 2 ** 63:
             raise RequestError("seed must be from 0 to 2**63 - 1", param="seed")
         if not 0 <= req.guidance_scale <= 100 or not 1 <= req.true_cfg_scale <= 100:
@@ -110,21 +117,59 @@ class ImagesRoute:
             self.state.check_available()
             pixel_request = self._request(req, f"img-{uuid.uuid4().hex}")
             ctx = await OFF_LOOP.run(self.tokenizer.new_context, pixel_request)
+            if req.partial_images:
+                ctx.extra_params["partial_images"] = np.array([req.partial_images])
+            if req.stream:
+                return StreamingResponse(self._events(req, ctx), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
             images = None
             async for out in self.engine.paint(ctx):
                 if out.is_done:
                     images = out.images
-            data = [{"b64_json": await OFF_LOOP.run(encode_image, img, req.output_format,
-                                                    req.output_compression)}
-                    for img in images]
+            data = [{"b64_json": await self._encode(img, req)} for img in images]
         except RequestError as exc:
             return error_response(exc)
         except (GenerationFailed, EngineDeadError) as exc:
             return error_response(RequestError(f"image generation failed: {exc}", status=500))
+        return json_response({"created": created, "data": data,
+                              "output_format": req.output_format,
+                              "size": f"{ctx.width}x{ctx.height}", "usage": self._usage(ctx)})
+
+    async def _encode(self, pixels: np.ndarray, req: ImagesRequest) -> str:
+        return await OFF_LOOP.run(encode_image, pixels, req.output_format,
+                                  req.output_compression)
+
+    def _usage(self, ctx) -> dict:
         text_tokens = int(np.count_nonzero(ctx.tokens_2 != self.tokenizer.pad_id_2))
-        return json_response({
-            "created": created, "data": data, "output_format": req.output_format,
-            "size": f"{ctx.width}x{ctx.height}",
-            "usage": {"input_tokens": text_tokens, "output_tokens": 0,
-                      "total_tokens": text_tokens,
-                      "input_tokens_details": {"text_tokens": text_tokens, "image_tokens": 0}}})
+        return {"input_tokens": text_tokens, "output_tokens": 0, "total_tokens": text_tokens,
+                "input_tokens_details": {"text_tokens": text_tokens, "image_tokens": 0}}
+
+    async def _events(self, req: ImagesRequest, ctx):
+        """OpenAI's image stream: `image_generation.partial_image` events (previews decoded at
+        intermediate steps), then one `image_generation.completed` per image. A client that
+        leaves ends the generator, and `paint` cancels the request in the scheduler."""
+        common = {"background": "opaque", "output_format": req.output_format,
+                  "quality": "auto", "size": f"{ctx.width}x{ctx.height}"}
+        partial_index = 0
+        try:
+            async for out in self.engine.paint(ctx):
+                if out.images is None:
+                    continue
+                kind = "completed" if out.is_done else "partial_image"
+                for pixels in out.images:
+                    event = {"type": f"image_generation.{kind}",
+                             "b64_json": await self._encode(pixels, req),
+                             "created_at": int(time.time()), **common}
+                    if out.is_done:
+                        event["usage"] = self._usage(ctx)
+                    else:
+                        event["partial_image_index"] = partial_index
+                    yield f"event: image_generation.{kind}\ndata: ".encode() \
+                        + _json.encode(event) + b"\n\n"
+                if not out.is_done:
+                    partial_index += 1
+        except (GenerationFailed, EngineDeadError) as exc:
+            error = {"type": "error", "error": {"message": f"image generation failed: {exc}",
+                                                "type": "server_error", "param": None,
+                                                "code": None}}
+            yield b"event: error\ndata: " + _json.encode(error) + b"\n\n"

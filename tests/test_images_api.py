@@ -99,6 +99,8 @@ def test_concurrent_requests_get_their_own_images(client, expected):
     ({"n": 5}, "n"), ({"n": 0}, "n"), ({"num_inference_steps": 101}, "steps"),
     ({"response_format": "url"}, "response_format"), ({"output_format": "gif"}, "output_format"),
     ({"prompt": "sun " * 600}, "prompt"), ({"seed": -1}, "seed"),
+    ({"stream": True, "partial_images": 4}, "partial_images"),
+    ({"partial_images": 1}, "partial_images"),
 ])
 def test_hostile_requests_get_400s(server, body, param):
     import httpx
@@ -117,3 +119,18 @@ def test_text_routes_point_to_the_images_api(server):
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert r.status_code == 400 and "/v1/images/generations" in r.json()["error"]["message"]
+
+
+def test_openai_client_streams_partial_images_then_the_image(client, expected):
+    stream = client.images.generate(model="tiny-flux", prompt="a red cat", size="32x32",
+                                    stream=True, partial_images=2,
+                                    extra_body={"seed": 9, "num_inference_steps": 6})
+    events = list(stream)
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + \
+        ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    final = pixels(events[-1].b64_json)
+    assert np.abs(final.astype(int) - expected("a red cat", (32, 32), 1, 9, 6)[0]).max() <= 1
+    assert events[-1].usage.input_tokens == 4
+    # Previews are the noisier latents of earlier steps: not the final image.
+    assert np.abs(pixels(events[0].b64_json).astype(int) - final).max() > 1

@@ -9,6 +9,15 @@ from serialization.messages import PixelResult, PixelStep
 from worker.pixels.flux import FluxRunner, to_uint8
 
 
+def preview_steps(ctx) -> set[int]:
+    """The steps after which a request asking for `partial_images` previews gets one: spread
+    evenly, before the last step."""
+    wanted = ctx.extra_params.get("partial_images")
+    k = int(wanted.reshape(-1)[0]) if wanted is not None and wanted.size else 0
+    total = ctx.num_inference_steps
+    return {round(i * total / (k + 1)) for i in range(1, k + 1)} - {0, total}
+
+
 def run_pixel_step(runner: FluxRunner, msg: PixelStep) -> PixelResult:
     for rid in msg.released:
         runner.release(rid)
@@ -23,5 +32,7 @@ def run_pixel_step(runner: FluxRunner, msg: PixelStep) -> PixelResult:
             out.images = to_uint8(runner.decode(rid))
             out.final_status = GenerationStatus.END_OF_SEQUENCE
             runner.release(rid)
+        elif done in preview_steps(runner.requests[rid].ctx):
+            out.images = to_uint8(runner.decode(rid))
         outputs.append(out)
     return PixelResult(step_id=msg.step_id, outputs=outputs)
