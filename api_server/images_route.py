@@ -66,9 +66,10 @@ def encode_image(pixels: np.ndarray, output_format: str, compression: int | None
 
 class ImagesRoute:
     def __init__(self, engine: EngineClient, state: ServerState,
-                 tokenizer: PixelGenerationTokenizer, model_name: str,
+                 tokenizer: PixelGenerationTokenizer, model_name: str, metrics=None,
                  default_size: int = 1024) -> None:
         self.engine, self.state, self.tokenizer = engine, state, tokenizer
+        self.metrics = metrics
         self.model_name = model_name
         self.default_size = min(default_size, tokenizer.max_image_size)
 
@@ -123,7 +124,7 @@ class ImagesRoute:
                 return StreamingResponse(self._events(req, ctx), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             images = None
-            async for out in self.engine.paint(ctx):
+            async for out in self._paint(ctx):
                 if out.is_done:
                     images = out.images
             data = [{"b64_json": await self._encode(img, req)} for img in images]
@@ -134,6 +135,19 @@ class ImagesRoute:
         return json_response({"created": created, "data": data,
                               "output_format": req.output_format,
                               "size": f"{ctx.width}x{ctx.height}", "usage": self._usage(ctx)})
+
+    async def _paint(self, ctx):
+        """engine.paint, counted: steps, time to the first step, images."""
+        started, steps = time.monotonic(), 0
+        async for out in self.engine.paint(ctx):
+            if self.metrics is not None:
+                if steps == 0:
+                    self.metrics.image_first_step.observe(time.monotonic() - started)
+                self.metrics.denoising_steps.inc(out.steps_executed - steps)
+                if out.is_done and out.images is not None:
+                    self.metrics.generated_images.inc(len(out.images))
+            steps = out.steps_executed
+            yield out
 
     async def _encode(self, pixels: np.ndarray, req: ImagesRequest) -> str:
         return await OFF_LOOP.run(encode_image, pixels, req.output_format,
@@ -152,7 +166,7 @@ class ImagesRoute:
                   "quality": "auto", "size": f"{ctx.width}x{ctx.height}"}
         partial_index = 0
         try:
-            async for out in self.engine.paint(ctx):
+            async for out in self._paint(ctx):
                 if out.images is None:
                     continue
                 kind = "completed" if out.is_done else "partial_image"

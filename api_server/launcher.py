@@ -241,7 +241,7 @@ class Launcher:
                         metrics_public=server_cfg.metrics_public, bound_host=server_cfg.host,
                         allowed_hosts=server_cfg.allowed_hosts,
                         allowed_origins=server_cfg.allowed_origins, web_ui=server_cfg.web_ui,
-                        images=_images_route(engine, state, model))
+                        images=_images_route(engine, state, model, metrics))
         server = _Server(uvicorn.Config(
             app, log_level=server_cfg.log_level, access_log=server_cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
@@ -356,7 +356,7 @@ def serve(cfg: PipelineConfig) -> int:
         listen_socket.close()
 
 
-def _images_route(engine, state, model):
+def _images_route(engine, state, model, metrics):
     """The Images API, for a diffusers pipeline directory (none for other models)."""
     if model.task is not PipelineTask.PIXEL_GENERATION:
         return None
@@ -364,7 +364,7 @@ def _images_route(engine, state, model):
     from api_server.pixel_tokenizer import PixelGenerationTokenizer
 
     return ImagesRoute(engine, state, PixelGenerationTokenizer(model.model_path),
-                       model.served_model_name)
+                       model.served_model_name, metrics)
 
 
 def _import_streaming_backend() -> None:

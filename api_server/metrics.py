@@ -110,6 +110,9 @@ class Metrics:
         self.time_to_first_audio = histogram("time_to_first_audio_seconds", "Speech: time to the first audio chunk.", LATENCY_BUCKETS)
         self.audio_seconds = counter("generated_audio_seconds", "Speech: seconds of audio generated.")
         self.audio_real_time_factor = histogram("audio_real_time_factor", "Speech: synthesis time / audio duration, per request.", (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0))
+        self.generated_images = counter("generated_images", "Images: images generated.")
+        self.denoising_steps = counter("denoising_steps", "Images: denoising steps done (one per request per step).")
+        self.image_first_step = histogram("image_time_to_first_step_seconds", "Images: submission to the request's first denoising step done (queue time and one step).", LATENCY_BUCKETS)
         self.embedding_batches = counter("embedding_batches", "Forward passes of the embeddings model.")
         self.embedding_inputs = counter("embedding_inputs", "Inputs embedded.")
         self.tool_call_schema_failures = counter(

@@ -134,3 +134,21 @@ def test_openai_client_streams_partial_images_then_the_image(client, expected):
     assert events[-1].usage.input_tokens == 4
     # Previews are the noisier latents of earlier steps: not the final image.
     assert np.abs(pixels(events[0].b64_json).astype(int) - final).max() > 1
+
+
+def test_metrics_count_images_and_steps(server, client):
+    import httpx
+
+    def value(text, name):
+        line = next(ln for ln in text.splitlines() if ln.startswith(name))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = httpx.get(server.url + "/metrics").text
+    client.images.generate(model="tiny-flux", prompt="sun", size="16x16", n=2,
+                           extra_body={"num_inference_steps": 3})
+    after = httpx.get(server.url + "/metrics").text
+    assert value(after, "loom:generated_images_total") - \
+        value(before, "loom:generated_images_total") == 2
+    assert value(after, "loom:denoising_steps_total") - \
+        value(before, "loom:denoising_steps_total") == 3
+    assert value(after, "loom:image_time_to_first_step_seconds_count") >= 1
