@@ -45,6 +45,10 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
+    # Loom's, for a speech-token model: clone the voice of an example, its codec tokens (as
+    # the model writes them) and what it says (AudioGenerationRequest's fields).
+    audio_prompt_tokens: list[int] = []
+    audio_prompt_transcription: str = ""
 
 
 def wav_header(sample_rate: int) -> bytes:
@@ -125,6 +129,8 @@ class SpeechRoute:
         self.state.check_available()
         if self.writes_speech_tokens:
             return self._speech_token_context(req, voice or orpheus.VOICES[0])
+        if req.audio_prompt_tokens:
+            raise RequestError(f"{req.model} cannot clone a voice", param="audio_prompt_tokens")
         try:
             segments = text_to_segments(req.input)
         except ValueError as exc:
@@ -138,10 +144,15 @@ class SpeechRoute:
         """Orpheus's prompt for the text, sampled with the model's recommended settings."""
         if req.speed != 1.0:
             raise RequestError("speed is not supported by this model: use 1.0", param="speed")
-        request = AudioGenerationRequest(model=req.model, input=req.input)
+        request = AudioGenerationRequest(
+            model=req.model, input=req.input, audio_prompt_tokens=req.audio_prompt_tokens,
+            audio_prompt_transcription=req.audio_prompt_transcription)
         tokenizer = self.tokenizer.delegate
-        ids = orpheus.prompt_tokens(
-            request, lambda text: tokenizer.encode(text, add_special_tokens=True), voice)
+        try:
+            ids = orpheus.prompt_tokens(
+                request, lambda text: tokenizer.encode(text, add_special_tokens=True), voice)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="audio_prompt_tokens") from None
         params = orpheus.recommended_sampling()
         max_length = min(len(ids) + params.max_new_tokens, self.max_model_len or 1 << 30)
         if len(ids) >= max_length:

@@ -58,8 +58,11 @@ def test_speech_is_snac_decoding_the_models_tokens(server):
     assert np.abs(got.astype(np.int32) - want).max() <= 1
 
 
-def test_speech_requests_check_their_voice_and_speed(server):
-    for body, param in (({"voice": "joe"}, "voice"), ({"speed": 2.0}, "speed")):
+def test_speech_requests_check_their_voice_speed_and_example(server):
+    for body, param in (({"voice": "joe"}, "voice"), ({"speed": 2.0}, "speed"),
+                        ({"audio_prompt_tokens": speech_chain(1)}, "audio_prompt_tokens"),
+                        ({"audio_prompt_tokens": speech_chain(1)[:6],
+                          "audio_prompt_transcription": "Hi"}, "audio_prompt_tokens")):
         r = httpx.post(server.url + "/v1/audio/speech", timeout=60,
                        json={"model": "orpheus", "input": "Hi", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param
@@ -79,3 +82,15 @@ def test_sse_streams_the_audio_in_chunks(server):
     got = np.frombuffer(b"".join(deltas), dtype="<i2")
     want = to_int16(snac_decode(speech_chain(FRAMES)))
     assert len(got) == len(want) and np.abs(got.astype(np.int32) - want).max() <= 1
+
+
+def test_a_cloned_voice_speaks_after_its_example(server):
+    """The example goes in the prompt (tests/test_orpheus.py checks where); the tiny model
+    answers <start_of_speech> with its chain whatever came before, and the example's own
+    audio tokens are not spoken again."""
+    r = httpx.post(server.url + "/v1/audio/speech", timeout=120,
+                   json={"model": "orpheus", "input": "Hello.", "response_format": "pcm",
+                         "audio_prompt_tokens": speech_chain(2),
+                         "audio_prompt_transcription": "An example."})
+    assert r.status_code == 200
+    assert len(r.content) // 2 == FRAMES * 2048

@@ -130,10 +130,12 @@ def _load_speech(cfg: PipelineConfig, rank: int):
     from pipelines import orpheus
 
     if orpheus.is_orpheus_directory(cfg.model_config.model_path):  # it writes speech tokens
+        from worker.device import rank_device
         from worker.speech.snac_decoder import SnacDecoder
 
         return SnacDecoder.for_checkpoint(cfg.model_config.model_path,
-                                          cfg.model_config.served_model_name)
+                                          cfg.model_config.served_model_name,
+                                          device=rank_device(cfg.devices, rank))
     if not cfg.speech_config.enable_speech:
         return None
     from worker.speech_runner import SpeechRunner

@@ -90,12 +90,13 @@ class SnacDecoder:
         return cls(SNAC.from_pretrained(directory), **kwargs)
 
     @classmethod
-    def for_checkpoint(cls, model_dir: str, voice_id: str) -> SnacDecoder:
+    def for_checkpoint(cls, model_dir: str, voice_id: str, **kwargs) -> SnacDecoder:
         """The decoder of an Orpheus directory (its `snac/`), served as the voice `voice_id`
-        (the served model's name)."""
+        (the served model's name), on the language model's device (float32)."""
         import os
 
-        decoder = cls.from_pretrained(os.path.join(model_dir, orpheus.SNAC_SUBDIRECTORY))
+        decoder = cls.from_pretrained(os.path.join(model_dir, orpheus.SNAC_SUBDIRECTORY),
+                                      **kwargs)
         decoder.voice_id, decoder.sample_rate = voice_id, decoder.decoder_sample_rate
         return decoder
 
