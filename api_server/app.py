@@ -98,7 +98,8 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
             Route("/v1/embeddings", embeddings.create, methods=["POST"]),
             Route("/v1/audio/speech", speech.create, methods=["POST"]),
             *(web_chat_routes() if web_ui else []),
-            *([Route("/v1/images/generations", images.create, methods=["POST"])]
+            *([Route("/v1/images/generations", images.create, methods=["POST"]),
+               Route("/v1/images/{image_id}/content", images.content, methods=["GET"])]
               if images is not None else []),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
+from api_server.image_store import ImageStore
 from api_server.off_loop import OFF_LOOP, parse_body
 from api_server.pixel_tokenizer import PixelGenerationRequest, PixelGenerationTokenizer
 from api_server.protocol import RequestError
@@ -55,13 +56,13 @@ class ImagesRequest(msgspec.Struct, kw_only=True):
     true_cfg_scale: float = 1.0
 
 
-def encode_image(pixels: np.ndarray, output_format: str, compression: int | None) -> str:
+def encode_image(pixels: np.ndarray, output_format: str, compression: int | None) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
     options = {} if compression is None or output_format == "png" else {"quality": compression}
     Image.fromarray(pixels).save(buf, format=FORMATS[output_format], **options)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return buf.getvalue()
 
 
 class ImagesRoute:
@@ -70,6 +71,7 @@ class ImagesRoute:
                  default_size: int = 1024) -> None:
         self.engine, self.state, self.tokenizer = engine, state, tokenizer
         self.metrics = metrics
+        self.store = ImageStore()
         self.model_name = model_name
         self.default_size = min(default_size, tokenizer.max_image_size)
 
@@ -86,9 +88,10 @@ class ImagesRoute:
         if req.model is not None and req.model != self.model_name:
             raise RequestError(f"the model `{req.model}` does not exist", param="model",
                                status=404, code="model_not_found")
-        if req.response_format != "b64_json":
-            raise RequestError("response_format must be b64_json (this server keeps no image "
-                               "URLs)", param="response_format")
+        if req.response_format not in ("b64_json", "url") or (
+                req.stream and req.response_format != "b64_json"):
+            raise RequestError("response_format must be b64_json or url (url: not streamed)",
+                               param="response_format")
         if req.output_format not in FORMATS:
             raise RequestError("output_format must be png, jpeg or webp", param="output_format")
         if req.output_compression is not None and not 0 <= req.output_compression <= 100:
@@ -127,7 +130,8 @@ class ImagesRoute:
             async for out in self._paint(ctx):
                 if out.is_done:
                     images = out.images
-            data = [{"b64_json": await self._encode(img, req)} for img in images]
+            data = [self._datum(await self._encode(img, req), req, request)
+                    for img in images]
         except RequestError as exc:
             return error_response(exc)
         except (GenerationFailed, EngineDeadError) as exc:
@@ -135,6 +139,21 @@ class ImagesRoute:
         return json_response({"created": created, "data": data,
                               "output_format": req.output_format,
                               "size": f"{ctx.width}x{ctx.height}", "usage": self._usage(ctx)})
+
+    def _datum(self, image: bytes, req: ImagesRequest, request: Request) -> dict:
+        if req.response_format == "b64_json":
+            return {"b64_json": base64.b64encode(image).decode("ascii")}
+        image_id = self.store.put(image, f"image/{req.output_format}")
+        return {"url": f"{str(request.base_url).rstrip('/')}/v1/images/{image_id}/content"}
+
+    async def content(self, request: Request) -> Response:
+        """GET /v1/images/{id}/content: an image generated with response_format url."""
+        found = self.store.get(request.path_params["image_id"])
+        if found is None:
+            return error_response(RequestError(
+                "no such image (images are kept for a limited time and number)",
+                param="image_id", status=404, code="image_not_found"))
+        return Response(found[0], media_type=found[1])
 
     async def _paint(self, ctx):
         """engine.paint, counted: steps, time to the first step, images."""
@@ -149,7 +168,7 @@ class ImagesRoute:
             steps = out.steps_executed
             yield out
 
-    async def _encode(self, pixels: np.ndarray, req: ImagesRequest) -> str:
+    async def _encode(self, pixels: np.ndarray, req: ImagesRequest) -> bytes:
         return await OFF_LOOP.run(encode_image, pixels, req.output_format,
                                   req.output_compression)
 
@@ -172,7 +191,8 @@ class ImagesRoute:
                 kind = "completed" if out.is_done else "partial_image"
                 for pixels in out.images:
                     event = {"type": f"image_generation.{kind}",
-                             "b64_json": await self._encode(pixels, req),
+                             "b64_json": base64.b64encode(
+                                 await self._encode(pixels, req)).decode("ascii"),
                              "created_at": int(time.time()), **common}
                     if out.is_done:
                         event["usage"] = self._usage(ctx)

@@ -97,7 +97,8 @@ def test_concurrent_requests_get_their_own_images(client, expected):
     ({"size": "1000x1000"}, "size"), ({"size": "0x16"}, "size"),
     ({"size": "99999x99999"}, "size"), ({"size": "16x16x"}, "size"),
     ({"n": 5}, "n"), ({"n": 0}, "n"), ({"num_inference_steps": 101}, "steps"),
-    ({"response_format": "url"}, "response_format"), ({"output_format": "gif"}, "output_format"),
+    ({"response_format": "jpg"}, "response_format"),
+    ({"response_format": "url", "stream": True}, "response_format"), ({"output_format": "gif"}, "output_format"),
     ({"prompt": "sun " * 600}, "prompt"), ({"seed": -1}, "seed"),
     ({"stream": True, "partial_images": 4}, "partial_images"),
     ({"partial_images": 1}, "partial_images"),
@@ -152,3 +153,31 @@ def test_metrics_count_images_and_steps(server, client):
     assert value(after, "loom:denoising_steps_total") - \
         value(before, "loom:denoising_steps_total") == 3
     assert value(after, "loom:image_time_to_first_step_seconds_count") >= 1
+
+
+def test_url_results_are_fetched_later(server, client, expected):
+    import httpx
+
+    result = client.images.generate(model="tiny-flux", prompt="a red cat", size="32x32",
+                                    response_format="url", output_format="webp",
+                                    output_compression=100,
+                                    extra_body={"seed": 5, "num_inference_steps": 3})
+    url = result.data[0].url
+    assert url.startswith(server.url + "/v1/images/img_") and url.endswith("/content")
+    r = httpx.get(url)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/webp"
+    got = pixels(base64.b64encode(r.content).decode())
+    assert got.shape == (32, 32, 3)
+    missing = httpx.get(server.url + "/v1/images/img_nope/content")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "image_not_found"
+
+
+def test_image_store_is_bounded_in_number_and_lifetime():
+    from api_server.image_store import ImageStore
+
+    store = ImageStore(max_images=2, ttl_seconds=3600)
+    ids = [store.put(bytes([i]), "image/png") for i in range(3)]
+    assert store.get(ids[0]) is None and store.get(ids[2]) == (b"\x02", "image/png")
+    assert len(store) == 2
+    expiring = ImageStore(ttl_seconds=0)
+    assert expiring.get(expiring.put(b"x", "image/png")) is None and len(expiring) == 0
