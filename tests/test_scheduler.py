@@ -184,3 +184,28 @@ def test_arbiter_queues_a_text_step_ahead_unless_speech_waits():
     assert arbiter.take_stats().step_overheads == [0.25]  # started 10.75, after 10.5
     assert not arbiter.busy
     assert type(arbiter.next_step()).__name__ == "AudioStep"  # speech's turn
+
+
+def test_a_cancelled_speech_token_request_frees_its_kv_blocks():
+    """Orpheus: the text batch runs the speech request's language model; aborting it (a
+    closed stream) frees its KV blocks and leaves nothing to decode."""
+    from pipelines import orpheus
+    from pipelines.speech_context import TTSContext
+    from scheduler.arbiter import Arbiter
+    from scheduler.speech_queue import SpeechQueue
+    from scheduler.text_source import TextSource
+
+    text = TextSource(make_scheduler(prefix=False))
+    speech = SpeechQueue(text)
+    arbiter = Arbiter(text, [text, speech], speech)
+    free = text.scheduler.blocks.num_free_blocks
+    arbiter.add(TTSContext(request_id="s", tokens=np.arange(3, 13), max_length=200))
+    step = arbiter.next_step()
+    assert type(step).__name__ == "StepBatch" and step.request_ids == ["s"]
+    batch = arbiter.after_step(StepResult(step_id=step.step_id, sampled_token_ids=np.array(
+        [orpheus.AUDIO_TOKEN_OFFSET], np.int32), started_at=1.0, finished_at=1.1))
+    assert batch.outputs == []  # its tokens come back as audio, not text
+    assert text.scheduler.blocks.num_free_blocks < free
+    arbiter.abort({"s"})
+    assert text.scheduler.blocks.num_free_blocks == free
+    assert not text.has_work and not speech.has_work and not speech.owns("s")
