@@ -119,6 +119,7 @@ class ImagesRoute:
         try:
             req = await parse_body(await request.body(), ImagesRequest)
             self.state.check_available()
+            self._check_queue_room()
             pixel_request = self._request(req, f"img-{uuid.uuid4().hex}")
             ctx = await OFF_LOOP.run(self.tokenizer.new_context, pixel_request)
             if req.partial_images:
@@ -139,6 +140,14 @@ class ImagesRoute:
         return json_response({"created": created, "data": data,
                               "output_format": req.output_format,
                               "size": f"{ctx.width}x{ctx.height}", "usage": self._usage(ctx)})
+
+    def _check_queue_room(self) -> None:
+        """Image requests in flight count against --max-queued-requests (each holds its
+        latents and embeddings in the worker while it runs)."""
+        queued = len(self.engine.pixel_streams)
+        if queued + 1 > self.state.limits.max_queued_requests:
+            raise RequestError(f"too many image requests in flight ({queued}); retry later",
+                               status=429, code="queue_full")
 
     def _datum(self, image: bytes, req: ImagesRequest, request: Request) -> dict:
         if req.response_format == "b64_json":

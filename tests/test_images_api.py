@@ -181,3 +181,25 @@ def test_image_store_is_bounded_in_number_and_lifetime():
     assert len(store) == 2
     expiring = ImageStore(ttl_seconds=0)
     assert expiring.get(expiring.put(b"x", "image/png")) is None and len(expiring) == 0
+
+
+def test_image_requests_beyond_the_queue_bound_get_429():
+    """Every image request in flight counts against --max-queued-requests."""
+    import asyncio
+    import types
+
+    from api_server.images_route import ImagesRoute
+    from pipelines.config import PipelineConfig
+
+    limits = PipelineConfig().server_config.admission
+    engine = types.SimpleNamespace(pixel_streams={str(i): None
+                                                  for i in range(limits.max_queued_requests)})
+    state = types.SimpleNamespace(limits=limits, check_available=lambda: None)
+    route = ImagesRoute(engine, state, types.SimpleNamespace(max_image_size=64), "tiny-flux")
+
+    class Body:
+        async def body(self):
+            return b'{"prompt": "sun", "size": "32x32"}'
+
+    response = asyncio.run(route.create(Body()))
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
