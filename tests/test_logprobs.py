@@ -4,8 +4,6 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import start_server
-
 TOL = 1e-4
 
 
@@ -20,10 +18,8 @@ def server(request, shared_server, smollm2_dir):
         yield shared_server(smollm2_dir)
         return
     # "chunked": a 6-token budget splits every prompt across steps, and echo logprobs must
-    # still come out complete and in order.
-    srv = start_server(smollm2_dir, "--max-num-batched-tokens", "6")
-    yield srv
-    srv.stop()
+    # still come out complete and in order (the server of test_server_oracle's chunked test).
+    yield shared_server(smollm2_dir, "--max-num-batched-tokens", "6")
 
 
 def hf_logprobs(model, ids):

@@ -73,12 +73,10 @@ def test_concurrent_requests_share_batches(server, oracle):
     check_all(server.url, oracle, concurrent=True)
 
 
-def test_chunked_prefill(smollm2_dir, oracle):
-    srv = start_server(smollm2_dir, "--max-num-batched-tokens", "5")
-    try:
-        check_all(srv.url, oracle, concurrent=True)
-    finally:
-        assert srv.stop() == 0
+def test_chunked_prefill(shared_server, smollm2_dir, oracle):
+    # (shared with test_logprobs' chunked logprobs; its exit code is checked at the end)
+    srv = shared_server(smollm2_dir, "--max-num-batched-tokens", "6")
+    check_all(srv.url, oracle, concurrent=True)
 
 
 def test_preemption_under_a_small_kv_cache(smollm2_dir, oracle):
