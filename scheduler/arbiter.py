@@ -136,7 +136,12 @@ class Arbiter:
 
     # ---- what goes with the outputs ---------------------------------------------------------
     def take_stats(self) -> SchedulerStats:
-        return self.text.take_stats()
+        stats = self.text.take_stats()
+        for source in self.sources:
+            if isinstance(source, PixelQueue):  # image requests count as requests too
+                stats.num_running += len(source.running)
+                stats.num_waiting += len(source.waiting)
+        return stats
 
     def take_kv_events(self) -> list:
         """The prefix cache's changes since the last call (empty unless recorded)."""

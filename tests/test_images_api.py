@@ -203,3 +203,30 @@ def test_image_requests_beyond_the_queue_bound_get_429():
 
     response = asyncio.run(route.create(Body()))
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slot(server):
+    """100 steps at 512x512 take the tiny model about 30 s here (a step ~0.3 s); the request
+    stops running within a few steps of its client leaving (the scheduler's running count
+    drops to 0)."""
+    import time
+
+    import httpx
+
+    def running() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return float(next(ln for ln in text.splitlines()
+                          if ln.startswith("loom:num_requests_running")).rsplit(" ", 1)[1])
+
+    with httpx.stream("POST", server.url + "/v1/images/generations", timeout=60,
+                      json={"prompt": "sun", "size": "512x512", "stream": True,
+                            "num_inference_steps": 100}) as r:
+        assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while running() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running() == 1
+    left = time.monotonic()
+    while running() and time.monotonic() - left < 8:
+        time.sleep(0.1)
+    assert running() == 0
