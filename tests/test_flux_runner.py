@@ -19,16 +19,16 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["cfg", "guidance-embeds"])
-def flux(request, tmp_path_factory):
+def flux(request):
     """(directory, tokenizer, runner, diffusers pipeline) of one tiny FLUX."""
     import torch
     from diffusers import FluxPipeline
 
-    from tests.tiny_flux import make_tiny_flux
+    from tests.tiny_flux import cached_tiny_flux
     from worker.pixels.flux import FluxRunner
 
     torch.manual_seed(0)
-    d = make_tiny_flux(str(tmp_path_factory.mktemp("flux")), guidance_embeds=request.param)
+    d = cached_tiny_flux(guidance_embeds=request.param)
     pipe = FluxPipeline.from_pretrained(d, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return d, PixelGenerationTokenizer(d), FluxRunner(d), pipe

@@ -19,10 +19,10 @@ from tests.helpers import start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory) -> str:
-    from tests.tiny_flux import make_tiny_flux
+def flux_dir() -> str:
+    from tests.tiny_flux import cached_tiny_flux
 
-    return make_tiny_flux(str(tmp_path_factory.mktemp("tiny-flux")))
+    return cached_tiny_flux()
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ pytest.importorskip("diffusers")
 
 
 @pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory) -> str:
-    from tests.tiny_flux import make_tiny_flux
+def flux_dir() -> str:
+    from tests.tiny_flux import cached_tiny_flux
 
-    return make_tiny_flux(str(tmp_path_factory.mktemp("tiny-flux")))
+    return cached_tiny_flux()
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +104,10 @@ def test_latents_packed_as_flux_packs(pixel_tokenizer, flux_pipe):
     assert not np.array_equal(fresh.latents[:1], ctx.latents[:1])
 
 
-def test_guidance_for_guidance_distilled_models(tmp_path):
-    from tests.tiny_flux import make_tiny_flux
+def test_guidance_for_guidance_distilled_models():
+    from tests.tiny_flux import cached_tiny_flux
 
-    tok = PixelGenerationTokenizer(make_tiny_flux(str(tmp_path), guidance_embeds=True))
+    tok = PixelGenerationTokenizer(cached_tiny_flux(guidance_embeds=True))
     ctx = tok.new_context(PixelGenerationRequest(prompt="sun", height=16, width=16,
                                                  guidance_scale=4.5))
     assert ctx.guidance.tolist() == [4.5] and ctx.guidance.dtype == np.float32

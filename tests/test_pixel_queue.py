@@ -29,11 +29,11 @@ encode = msgpack_numpy_encoder()
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory):
-    from tests.tiny_flux import make_tiny_flux
+def flux():
+    from tests.tiny_flux import cached_tiny_flux
     from worker.pixels.flux import FluxRunner
 
-    d = make_tiny_flux(str(tmp_path_factory.mktemp("flux")))
+    d = cached_tiny_flux()
     return PixelGenerationTokenizer(d), FluxRunner(d)
 
 

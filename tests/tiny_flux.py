@@ -29,6 +29,34 @@ def _word_tokenizer(max_length: int, bos: bool):
                                    bos_token="<s>", eos_token="</s>", model_max_length=max_length)
 
 
+def cached_tiny_flux(guidance_embeds: bool = False) -> str:
+    """The tiny FLUX saved in Loom's model cache, built once per builder source and library
+    versions (building costs seconds per test module otherwise)."""
+    import hashlib
+    import shutil
+
+    import diffusers
+    import torch
+    import transformers
+
+    from pipelines.checkpoint.default_model import cache_dir
+
+    with open(__file__, "rb") as f:
+        key = hashlib.sha256(f.read())
+    key.update(f"{guidance_embeds}:{diffusers.__version__}:{torch.__version__}:"
+               f"{transformers.__version__}".encode())
+    path = os.path.join(cache_dir(), "test-models", f"tiny-flux-{key.hexdigest()[:16]}")
+    if not os.path.exists(os.path.join(path, "model_index.json")):
+        staging = f"{path}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        make_tiny_flux(staging, guidance_embeds)
+        try:
+            os.rename(staging, path)
+        except OSError:  # another session saved it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
 def make_tiny_flux(out_dir: str, guidance_embeds: bool = False, seed: int = 0) -> str:
     import torch
     from diffusers import (
