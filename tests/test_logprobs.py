@@ -82,6 +82,26 @@ def test_echo_with_generation(server, hf):
     assert abs(lp["token_logprobs"][1] - ref[0, ids[1]].item()) < TOL
 
 
+@pytest.mark.parametrize("length", [7, 13])
+def test_echo_when_the_last_prompt_chunk_is_one_token(server, hf, length):
+    """7 and 13 tokens under the chunked server's 6-token budget: the last chunk feeds one
+    token, and only the row carried from the chunk before scores it."""
+    model, tok = hf
+    ids = tok("Paris is the capital and largest city of France, with an estimated population "
+              "of two million")["input_ids"][:length]
+    r = httpx.post(server.url + "/v1/completions", json={
+        "prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1},
+        timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == length + 3
+    ref = hf_logprobs(model, ids)
+    for pos in range(1, length):
+        assert abs(lp["token_logprobs"][pos] - ref[pos - 1, ids[pos]].item()) < TOL, pos
+    # The first generated token: the greedy choice after the whole prompt.
+    assert abs(lp["token_logprobs"][length] - ref[-1].max().item()) < TOL
+
+
 def test_chat_logprobs(server, hf):
     model, tok = hf
     messages = [{"role": "user", "content": "Say hello."}]

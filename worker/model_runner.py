@@ -387,6 +387,8 @@ class ModelRunner:
               failed: dict[int, str]) -> list[PromptLogprobs]:
         """Prompt log probabilities (echo), request by request: one that raises fails
         alone."""
+        if logits is None:  # (no echo row this step: only carried rows complete, e.g. a
+            logits = torch.zeros(0, 0)  # prompt's last chunk of one token)
         results = []
         offset = 0
         for plan in plans:
