@@ -182,11 +182,13 @@ def test_stop_strings_stay_in_the_api_process(tiny_model_dir):
     from api_server.protocol import CompletionRequest
     from api_server.serving_context import ServingContext
     from pipelines import TextContext
+    from pipelines.config import SamplingParamsDefaults
     from serialization.codec import msgpack_numpy_encoder
 
     req = CompletionRequest(prompt="hi", stop=["stop-one", "stop-two"])
     serving = ServingContext.__new__(ServingContext)
     serving.tokenizer = type("T", (), {"vocab_size": 100})()
+    serving.sampling_defaults = SamplingParamsDefaults()  # (none set: the request's own)
     params = serving.sampling_params(req, 4, 0)
     assert params.stop == ["stop-one", "stop-two"]  # what this process's detokenizer applies
     ctx = TextContext(max_length=10, tokens=np.arange(3), sampling_params=params)
