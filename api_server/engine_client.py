@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import weakref
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -206,44 +207,41 @@ class EngineClient:
     async def paint(self, ctx: PixelContext) -> AsyncIterator[GenerationOutput]:
         """Send an image request; yield its progress, one output per denoising step, the
         last with the images. Leaving early cancels the rest in the scheduler."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue = asyncio.Queue()
-        self.pixel_streams[ctx.request_id] = queue
-        finished = False
-        try:
-            await self.requests.send(self.encode(ctx), copy=False)
-            while not finished:
-                out = await queue.get()
-                if out.error is not None:
-                    raise GenerationFailed(out.error)
-                finished = out.is_done
+        async with aclosing(self._stream(ctx, self.pixel_streams,
+                                         lambda out: out.is_done)) as outputs:
+            async for out in outputs:  # (closed with this one: a client leaving cancels)
                 yield out
-        finally:
-            del self.pixel_streams[ctx.request_id]
-            if not finished and not self.closed and self.dead_reason is None:
-                self.cancel([ctx.request_id])
 
     async def speak(self, ctx: TTSContext) -> AsyncIterator[AudioChunk]:
         """Send a speech context; yield its audio chunks as they are synthesized. Leaving
         early cancels the rest in the scheduler."""
+        tokens = self._reserved.pop(ctx.request_id, (0, 0.0))[0]
+        try:
+            async with aclosing(self._stream(ctx, self.audio_streams,
+                                             lambda chunk: chunk.is_last)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.queued_tokens -= tokens
+
+    async def _stream(self, ctx, streams: dict, is_last) -> AsyncIterator:
+        """Send `ctx`; yield what the scheduler streams back for it (into `streams`) until
+        `is_last` of an item; an item with an error raises. Leaving early cancels it."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue = asyncio.Queue()
-        self.audio_streams[ctx.request_id] = queue
-        tokens = self._reserved.pop(ctx.request_id, (0, 0.0))[0]
+        streams[ctx.request_id] = queue
         finished = False
         try:
             await self.requests.send(self.encode(ctx), copy=False)
             while not finished:
-                chunk = await queue.get()
-                if chunk.error is not None:
-                    raise GenerationFailed(chunk.error)
-                finished = chunk.is_last
-                yield chunk
+                item = await queue.get()
+                if item.error is not None:
+                    raise GenerationFailed(item.error)
+                finished = is_last(item)
+                yield item
         finally:
-            del self.audio_streams[ctx.request_id]
-            self.queued_tokens -= tokens
+            del streams[ctx.request_id]
             if not finished and not self.closed and self.dead_reason is None:
                 self.cancel([ctx.request_id])
 
