@@ -11,7 +11,7 @@ import msgspec
 
 import bench.cli as bench_cli
 from api_server import chat_cli
-from api_server.launcher import StartupError, serve
+from api_server.startup_error import StartupError
 from pipelines.config import (
     KVCacheConfig,
     PipelineConfig,
@@ -293,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     from processes.lifecycle import setup_logging
 
     setup_logging(cfg.server_config.log_level)
+    # Imported here, not above: `serve` spawns the worker and scheduler, and a spawned child
+    # imports the parent's main module (this one) again; the HTTP server's imports would cost
+    # each of them seconds of start-up for nothing.
+    from api_server.launcher import serve
+
     return serve(cfg)
 
 

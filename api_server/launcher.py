@@ -30,6 +30,7 @@ from api_server.metrics import Metrics
 from api_server.server_state import ServerState
 from api_server.serving_context import ServingContext
 from api_server.speech_route import SpeechRoute
+from api_server.startup_error import StartupError
 from api_server.tokenizer import TextTokenizer
 from pipelines.checkpoint.bert_config import BertConfig
 from pipelines.checkpoint.model_config import load_model_config
@@ -45,10 +46,6 @@ logger = logging.getLogger("loom")
 # The children's entry points, by name (processes.lifecycle.run_role imports them there).
 WORKER_ENTRY = "worker.process:run_worker"
 SCHEDULER_ENTRY = "scheduler.process:run_scheduler"
-
-
-class StartupError(RuntimeError):
-    """A problem the user can fix; reported as one line, no traceback."""
 
 
 def check_exposure(cfg: ServerConfig) -> None:
