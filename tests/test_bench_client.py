@@ -10,7 +10,6 @@ import pytest
 
 from bench.http_stream import StreamingConnection
 from bench.sse import RequestRecord, completion_body, stream_completion
-from tests.helpers import start_server
 
 
 def test_streams_like_httpx_and_records_errors(tiny_server):
@@ -44,22 +43,23 @@ def test_streams_like_httpx_and_records_errors(tiny_server):
     assert not bad.ok and "HTTP 404" in bad.error
 
 
-def test_ttft_pairs_measure_the_same_prompt_on_both_sides(tiny_model_dir):
+def test_ttft_pairs_measure_the_same_prompt_on_both_sides(tiny_model_dir, tiny_server):
     """bench.ttft_pairs: each pair is the plain loop's prefill and the server's TTFT of one
-    prompt, and the worker's own forward for that very request comes from loom's /metrics."""
+    prompt, and the worker's own forward for that very request comes from loom's /metrics
+    (of the session's shared tiny server: its prefix cache counters are read as deltas)."""
     from bench.ceiling import Ceiling, CeilingConfig
     from bench.server_metrics import parse_prometheus
     from bench.ttft_pairs import measure_ttft_pairs
 
     ceiling = Ceiling(CeilingConfig(model_dir=tiny_model_dir, dtype="float32", prompt_len=24,
                                     output_len=4, batch_sizes=[1]), log=lambda *a: None)
-    srv = start_server(tiny_model_dir)
+    srv = tiny_server
     try:
         model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        before = parse_prometheus(httpx.get(srv.url + "/metrics").text)
         result = measure_ttft_pairs(ceiling, srv.url, model, prompt_len=24, pairs=3)
         metrics = parse_prometheus(httpx.get(srv.url + "/metrics").text)
     finally:
-        srv.stop()
         ceiling.close()
     assert result["pairs"] == 3 and not result["errors"]
     assert all(ms > 0 for ms in result["prefill_ms"])
@@ -69,8 +69,9 @@ def test_ttft_pairs_measure_the_same_prompt_on_both_sides(tiny_model_dir):
     assert all(t > f > 0 for t, f in zip(result["ttft_ms"], forwards))
     assert result["ttft_over_server_forward_ms_p50"] > 0
     # distinct prompts: nothing was served from the prefix cache
-    assert metrics["loom:prefix_cache_queries_total"] >= 3 * 24
-    assert metrics["loom:prefix_cache_hits_total"] == 0
+    queries, hits = "loom:prefix_cache_queries_total", "loom:prefix_cache_hits_total"
+    assert metrics[queries] - before.get(queries, 0) >= 3 * 24
+    assert metrics[hits] - before.get(hits, 0) == 0
 
 
 def test_ceiling_batch_bracketed_by_a_second_run_is_their_mean(tiny_model_dir):

@@ -1,4 +1,7 @@
-"""/metrics after real traffic: the names, labels and values a Prometheus user relies on."""
+"""/metrics after real traffic: the names, labels and values a Prometheus user relies on.
+
+On the session's shared tiny server (conftest.tiny_server): counters are read as what this
+module's own requests added."""
 
 import re
 import time
@@ -7,14 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers import start_server
-
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = start_server(tiny_model_dir, "--served-model-name", "tiny")
-    yield srv
-    srv.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 def sample(text, name, **labels):
@@ -26,32 +25,47 @@ def sample(text, name, **labels):
     raise AssertionError(f"{name} {labels} not in /metrics")
 
 
+def sample_or_zero(text, name, **labels):
+    """A counter before traffic: absent until its labels were first used."""
+    try:
+        return sample(text, name, **labels)
+    except AssertionError:
+        return 0.0
+
+
 def test_metrics_follow_traffic(server):
+    m = {"model_name": "tiny"}
+    http = {"handler": "/v1/completions", "method": "POST"}
+    added = [  # (name, labels, what this test's traffic adds)
+        ("loom:generation_tokens_total", m, 5 + 6 + 7),
+        ("loom:request_success_total", dict(m, finished_reason="length"), 3),
+        ("loom:time_to_first_token_seconds_count", m, 3),
+        ("loom:inter_token_latency_seconds_count", m, 4 + 5 + 6),
+        ("loom:e2e_request_latency_seconds_count", m, 3),
+        ("loom:request_generation_tokens_sum", m, 18),
+        ("loom:request_prompt_tokens_count", m, 3),
+        ("loom:request_queue_time_seconds_count", m, 3),
+        ("loom:request_prefill_time_seconds_count", m, 3),
+        ("loom:request_decode_time_seconds_count", m, 3),
+        ("loom:http_requests_total", dict(http, status="200"), 3),
+        ("loom:http_requests_total", dict(http, status="400"), 1),
+    ]
+    text = httpx.get(server.url + "/metrics").text
+    before = [sample_or_zero(text, name, **labels) for name, labels, _ in added]
+    iterations = sample_or_zero(text, "loom:iteration_tokens_total_count", **m)
+    prompt_tokens = sample_or_zero(text, "loom:prompt_tokens_total", **m)
     for i in range(3):
         r = httpx.post(server.url + "/v1/completions", json={
             "prompt": "hello there", "max_tokens": 5 + i, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200
     httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1})
     text = httpx.get(server.url + "/metrics").text
-    m = {"model_name": "tiny"}
-    assert sample(text, "loom:generation_tokens_total", **m) == 5 + 6 + 7
-    assert sample(text, "loom:request_success_total", finished_reason="length", **m) == 3
-    assert sample(text, "loom:time_to_first_token_seconds_count", **m) == 3
-    assert sample(text, "loom:inter_token_latency_seconds_count", **m) == 4 + 5 + 6
-    assert sample(text, "loom:e2e_request_latency_seconds_count", **m) == 3
-    assert sample(text, "loom:request_generation_tokens_sum", **m) == 18
-    assert sample(text, "loom:request_prompt_tokens_count", **m) == 3
-    assert sample(text, "loom:request_queue_time_seconds_count", **m) == 3
-    assert sample(text, "loom:request_prefill_time_seconds_count", **m) == 3
-    assert sample(text, "loom:request_decode_time_seconds_count", **m) == 3
-    assert sample(text, "loom:iteration_tokens_total_count", **m) >= 18
+    for (name, labels, count), was in zip(added, before):
+        assert sample(text, name, **labels) - was == count, (name, labels)
+    assert sample(text, "loom:iteration_tokens_total_count", **m) - iterations >= 18
     assert sample(text, "loom:num_requests_running", **m) == 0
     assert sample(text, "loom:kv_cache_usage_perc", **m) == 0
-    assert sample(text, "loom:prompt_tokens_total", **m) > 0
-    assert sample(text, "loom:http_requests_total", handler="/v1/completions", method="POST",
-                  status="200") == 3
-    assert sample(text, "loom:http_requests_total", handler="/v1/completions", method="POST",
-                  status="400") == 1
+    assert sample(text, "loom:prompt_tokens_total", **m) > prompt_tokens
 
 
 def test_stop_string_counts_as_stop(server):
@@ -61,11 +75,9 @@ def test_stop_string_counts_as_stop(server):
     stop = text[len(text) // 2: len(text) // 2 + 2]
     if not stop.strip():
         pytest.skip("generated text has no usable stop string")
-    try:
-        before = sample(httpx.get(server.url + "/metrics").text, "loom:request_success_total",
-                        finished_reason="stop", model_name="tiny")
-    except AssertionError:  # no request has stopped yet
-        before = 0
+    before = sample_or_zero(httpx.get(server.url + "/metrics").text,
+                            "loom:request_success_total", finished_reason="stop",
+                            model_name="tiny")
     r = httpx.post(server.url + "/v1/completions", json={
         "prompt": "hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": [stop]})
     body = r.json()["choices"][0]

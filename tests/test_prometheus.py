@@ -1,6 +1,7 @@
 """A real Prometheus server scrapes Loom on loopback; a TTFT quantile is read back through
 Prometheus' own HTTP API. Skipped where the `prometheus` binary is absent (`make test`
-installs Debian's package when it can)."""
+installs Debian's package when it can). Loom is the session's shared tiny server
+(conftest.tiny_server): its counters are read as what this test's requests added."""
 
 import math
 import shutil
@@ -10,15 +11,16 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import free_port, start_server
+from tests.helpers import free_port
+from tests.test_metrics import sample_or_zero
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus is not installed")
 
 
 @pytest.fixture
-def prometheus(tmp_path, tiny_model_dir):
-    loom = start_server(tiny_model_dir, "--served-model-name", "tiny")
+def prometheus(tmp_path, tiny_server):
+    loom = tiny_server
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -43,7 +45,6 @@ def prometheus(tmp_path, tiny_model_dir):
     finally:
         proc.terminate()
         proc.wait(10)
-        loom.stop()
 
 
 def query(url, expr):
@@ -58,6 +59,8 @@ def test_prometheus_reads_ttft_quantile(prometheus):
     deadline = time.monotonic() + 20
     while not query(prom, 'up{job="loom"} == 1') and time.monotonic() < deadline:
         time.sleep(0.5)
+    before = sample_or_zero(httpx.get(loom.url + "/metrics").text, "loom:request_success_total",
+                            finished_reason="length", model_name="tiny")
     for i in range(12):
         r = httpx.post(loom.url + "/v1/completions", json={
             "prompt": f"request {i}", "max_tokens": 8, "temperature": 0})
@@ -81,7 +84,7 @@ def test_prometheus_reads_ttft_quantile(prometheus):
     while time.monotonic() < deadline:
         result = query(prom, expr)
         finished = float(result[0]["value"][1]) if result else 0.0
-        if finished >= 12:
+        if finished >= before + 12:
             break
         time.sleep(0.5)
-    assert finished == 12
+    assert finished == before + 12

@@ -71,15 +71,15 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    with ThreadPoolExecutor(2) as pool:  # the two start-ups overlap
-        replicas = list(pool.map(lambda _: start_server(
-            tiny_model_dir, "--served-model-name", "tiny", "--max-num-seqs", "8"), range(2)))
+def cluster(tiny_model_dir, tiny_server):
+    # The replica killed below is this module's own; the other is the session's shared tiny
+    # server (its counters are read as deltas here).
+    victim = start_server(tiny_model_dir, "--served-model-name", "tiny", "--max-num-seqs", "8")
+    replicas = [victim, tiny_server]
     router = Router([r.url for r in replicas])
     yield router, replicas
     router.stop()
-    for replica in replicas:
-        replica.stop()
+    victim.stop()
 
 
 def metric(url: str, name: str) -> float:
