@@ -39,6 +39,16 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
               bound_host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = (),
               allowed_origins: tuple[str, ...] = (), web_ui: bool = True,
               images: ImagesRoute | None = None):
+    app = build_routes(state, serving, metrics, speech, web_ui, images)
+    return secure_app(app, metrics, {route.path for route in app.routes}, api_key,
+                      max_request_bytes, metrics_public, bound_host, allowed_hosts,
+                      allowed_origins, web_ui)
+
+
+def build_routes(state: ServerState, serving: ServingContext, metrics: Metrics,
+                 speech: SpeechRoute | None = None, web_ui: bool = True,
+                 images: ImagesRoute | None = None) -> Starlette:
+    """One model's routes, with no middleware (secure_app adds it)."""
     async def health(request: Request) -> Response:
         reason = state.unhealthy_reason()
         if reason is None:
@@ -68,13 +78,6 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
     responses = ResponsesRoute(serving)
     messages = AnthropicRoute(serving)
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(RequestError(exc.detail or "error", status=exc.status_code))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(RequestError("internal server error", status=500))
-
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -102,9 +105,30 @@ def build_app(state: ServerState, serving: ServingContext, metrics: Metrics,
                Route("/v1/images/{image_id}/content", images.content, methods=["GET"])]
               if images is not None else []),
         ],
-        exception_handlers={HTTPException: http_error, Exception: server_error},
+        exception_handlers=server_error_handlers(),
     )
-    known_paths = {route.path for route in app.routes}
+    return app
+
+
+def server_error_handlers() -> dict:
+    """Starlette's exceptions, and bugs, as OpenAI-shaped errors."""
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(RequestError(exc.detail or "error", status=exc.status_code))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(RequestError("internal server error", status=500))
+
+    return {HTTPException: http_error, Exception: server_error}
+
+
+def secure_app(app, metrics: Metrics, known_paths: set[str], api_key: str | None = None,
+               max_request_bytes: int = 16 << 20, metrics_public: bool = False,
+               bound_host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = (),
+               allowed_origins: tuple[str, ...] = (), web_ui: bool = True):
+    """The middleware every request passes: body size, API key, cross-site guards, HTTP
+    metrics, Anthropic-shaped errors."""
     wrapped = limit_body_size(app, max_request_bytes)
     if api_key:
         wrapped = require_api_key(wrapped, api_key,

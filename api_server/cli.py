@@ -36,12 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
+def serve_config_from_args(args: argparse.Namespace, model: str | None = None) -> PipelineConfig:
     """The tree of the flags given (the defaults for the others), resolved as far as it can be
     without reading the model: its path or alias, id, weight formats, task and devices, and
-    every setting checked. `resolve_model` reads the model for the rest."""
+    every setting checked. `resolve_model` reads the model for the rest. `model`: which of
+    several (a --model value, NAME=PATH, or a --models-dir entry); default: the first."""
     settings = expand_group_flags(
         {name: value for name, value in vars(args).items() if name != "command"})
+    specs = settings.pop("model_path", [])
+    model = model if model is not None else (specs[0] if specs else "")
+    name, settings["model_path"] = split_model_name(model)
+    if name:
+        settings["served_model_name"] = name
     cfg = PipelineConfig().replace(**settings)
     # (Flags first: a wrong one is named even where the model cannot be found.)
     devices = resolve_devices(cfg.devices)
@@ -72,6 +78,58 @@ def serve_config_from_args(args: argparse.Namespace) -> PipelineConfig:
         task=task, devices=devices,
         api_key=server.api_key or os.environ.get("LOOM_API_KEY") or None,
         allowed_local_media_path=resolve_media_path(server.media.allowed_local_media_path))
+
+
+def split_model_name(spec: str) -> tuple[str, str]:
+    """("", PATH), or (NAME, PATH) of a NAME=PATH that is not itself a path."""
+    name, sep, path = spec.partition("=")
+    if sep and name and "/" not in name and path and not os.path.exists(spec):
+        return name, path
+    return "", spec
+
+
+def model_specs(args: argparse.Namespace) -> list[str]:
+    """The --model values given, then each GGUF file and checkpoint directory of
+    --models-dir (by name)."""
+    specs = list(getattr(args, "model_path", None) or [])
+    folder = getattr(args, "models_dir", None)
+    if folder is None:
+        return specs
+    folder = os.path.abspath(os.path.expanduser(folder))
+    if not os.path.isdir(folder):
+        raise StartupError(f"--models-dir {folder}: no such directory")
+    for entry in sorted(os.listdir(folder)):
+        path = os.path.join(folder, entry)
+        if entry.lower().endswith(".gguf") and os.path.isfile(path) or \
+                os.path.isfile(os.path.join(path, "config.json")):
+            specs.append(path)
+    if not specs:
+        raise StartupError(f"--models-dir {folder}: no GGUF file or checkpoint directory "
+                           f"(config.json) in it")
+    return specs
+
+
+def serve_configs_from_args(args: argparse.Namespace) -> list[PipelineConfig]:
+    """One resolved tree per model served (several: --model given again, or --models-dir)."""
+    specs = model_specs(args)
+    if len(specs) <= 1 and getattr(args, "models_dir", None) is None:
+        return [resolve_model(serve_config_from_args(args))]
+    if getattr(args, "served_model_name", None):
+        raise StartupError("--served-model-name names one model; name each of several with "
+                           "--model NAME=PATH")
+    pool = PipelineConfig().replace(**{k: v for k, v in vars(args).items() if k in (
+        "max_loaded_models", "model_idle_timeout")}).model_pool_config
+    if pool.max_loaded_models is not None and pool.max_loaded_models < 1:
+        raise StartupError("--max-loaded-models must be positive")
+    if pool.model_idle_timeout is not None and pool.model_idle_timeout <= 0:
+        raise StartupError("--model-idle-timeout must be positive")
+    cfgs = [resolve_model(serve_config_from_args(args, spec)) for spec in specs]
+    names = [cfg.model_config.served_model_name for cfg in cfgs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise StartupError(f"two models are named {', '.join(twice)}: name them apart with "
+                           f"--model NAME=PATH")
+    return cfgs
 
 
 def resolve_devices(devices: str) -> str:
@@ -286,19 +344,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return bench_cli.main(args)
     try:
-        cfg = resolve_model(serve_config_from_args(args))
+        cfgs = serve_configs_from_args(args)
     except (StartupError, FileNotFoundError) as exc:
         print(f"loom: error: {exc}", file=sys.stderr)
         return 1
     from processes.lifecycle import setup_logging
 
-    setup_logging(cfg.server_config.log_level)
+    setup_logging(cfgs[0].server_config.log_level)
     # Imported here, not above: `serve` spawns the worker and scheduler, and a spawned child
     # imports the parent's main module (this one) again; the HTTP server's imports would cost
     # each of them seconds of start-up for nothing.
-    from api_server.launcher import serve
+    if len(cfgs) == 1:
+        from api_server.launcher import serve
 
-    return serve(cfg)
+        return serve(cfgs[0])
+    from api_server.model_router import serve_models
+
+    return serve_models(cfgs)
 
 
 if __name__ == "__main__":

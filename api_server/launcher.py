@@ -211,25 +211,9 @@ class Launcher:
         metrics = Metrics(model.served_model_name)
         engine = EngineClient(self.endpoints, metrics)
         engine.start()
-        embedding_dim = None
-        if model.task is PipelineTask.EMBEDDINGS_GENERATION:
-            embedding_dim, eos = BertConfig.from_dir(model.model_path).hidden_size, []
-        elif model.task is PipelineTask.PIXEL_GENERATION:
-            eos = []
-        else:
-            eos = load_model_config(model.model_path,
-                                    bool(cfg.custom_architectures)).eos_token_ids
-        max_model_len = model.max_length  # (resolved by the CLI)
-        tokenizer = TextTokenizer(model.tokenizer or model.model_path, max_model_len, eos,
-                                  server_cfg.media)
-        tokenizer.warm_up()
+        tokenizer, embedding_dim = load_tokenizer(cfg)
         _import_streaming_backend()
-        state = ServerState(engine, server_cfg.admission)
-        speech = SpeechRoute(engine, state, metrics, tokenizer, max_model_len)
-        serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
-                                 max_model_len, state, server_cfg, model.task, embedding_dim,
-                                 extra_model_cards=speech.model_cards,
-                                 sampling_defaults=model.sampling_params_defaults)
+        state, serving, speech = model_serving(cfg, engine, metrics, tokenizer, embedding_dim)
         if server_cfg.trust_request_chat_template:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request
@@ -251,7 +235,7 @@ class Launcher:
         tasks.append(watcher)
         freeze_startup_heap()  # while the worker still loads: off the start-up path
         try:
-            await self._wait_ready(engine, watcher)
+            await self.wait_ready(engine, watcher)
             metrics.observe_cache_config(engine.ready.block_size, engine.ready.num_blocks)
             tasks.append(asyncio.create_task(self.watch_stalls(state, engine, server)))
             host, port = listen_socket.getsockname()[:2]
@@ -266,7 +250,7 @@ class Launcher:
                 tokenizer.request_templates.stop()
         return self.exit_code
 
-    async def _wait_ready(self, engine: EngineClient, watcher: asyncio.Task) -> None:
+    async def wait_ready(self, engine: EngineClient, watcher: asyncio.Task) -> None:
         ready = asyncio.ensure_future(engine.wait_ready())
         # The worker builds any missing kernel (its own progress lines), loads the weights and
         # prefaults the KV cache: this says the server is still alive meanwhile.
@@ -285,6 +269,37 @@ class Launcher:
             raise StartupError(engine.dead_reason or "a child process died during start-up")
         raise StartupError(f"the engine did not become ready in "
                            f"{self.cfg.server_config.startup_timeout:.0f}s")
+
+
+def load_tokenizer(cfg: PipelineConfig) -> tuple[TextTokenizer, int | None]:
+    """The model's tokenizer, warmed up, and its embedding width (an embeddings model's)."""
+    model = cfg.model_config
+    embedding_dim = None
+    if model.task is PipelineTask.EMBEDDINGS_GENERATION:
+        embedding_dim, eos = BertConfig.from_dir(model.model_path).hidden_size, []
+    elif model.task is PipelineTask.PIXEL_GENERATION:
+        eos = []
+    else:
+        eos = load_model_config(model.model_path, bool(cfg.custom_architectures)).eos_token_ids
+    tokenizer = TextTokenizer(model.tokenizer or model.model_path, model.max_length, eos,
+                              cfg.server_config.media)
+    tokenizer.warm_up()
+    return tokenizer, embedding_dim
+
+
+def model_serving(cfg: PipelineConfig, engine: EngineClient, metrics: Metrics,
+                  tokenizer: TextTokenizer, embedding_dim: int | None,
+                  ) -> tuple[ServerState, ServingContext, SpeechRoute]:
+    """What the routes of one model share: its admission state, serving context and speech."""
+    model, server_cfg = cfg.model_config, cfg.server_config
+    max_model_len = model.max_length  # (resolved by the CLI)
+    state = ServerState(engine, server_cfg.admission)
+    speech = SpeechRoute(engine, state, metrics, tokenizer, max_model_len)
+    serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
+                             max_model_len, state, server_cfg, model.task, embedding_dim,
+                             extra_model_cards=speech.model_cards,
+                             sampling_defaults=model.sampling_params_defaults)
+    return state, serving, speech
 
 
 def ready_line(model_name: str, host: str, port: int, cfg: ServerConfig) -> str:

@@ -245,7 +245,9 @@ class Metrics:
                       and status["code"] >= 400 and "counted" not in status):
                     status["counted"] = True
                     reason = rejection_reason(message.get("body", b""), status["code"])
-                    self.rejected_requests.labels(self.model_name, reason).inc()
+                    # (Several models: the one the request was routed to, model_router.py.)
+                    model = scope.get("loom.model_name", self.model_name)
+                    self.rejected_requests.labels(model, reason).inc()
                 await send(message)
 
             try:
@@ -267,8 +269,12 @@ class Metrics:
                 self.malformed_frames.labels(self.model_name, channel).inc(delta)
                 self._malformed_seen[channel] = total
 
-    async def endpoint(self, request: Request) -> Response:
+    def registry_now(self) -> CollectorRegistry:
+        """The registry, brought up to date for a scrape."""
         self._sync_malformed_frames()
         # Nothing about LoRA ever changes here: the info is current whenever it is read.
         self.vllm_lora_info.set(time.time())
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        return self.registry
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry_now()), media_type=CONTENT_TYPE_LATEST)

