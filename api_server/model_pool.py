@@ -68,10 +68,18 @@ class ModelPool:
         return sum(model.in_flight for model in self.models.values())
 
     async def start(self) -> None:
-        """Load the first --max-loaded-models models (StartupError if one cannot load)."""
-        for model in list(self.models.values())[:self.max_loaded]:
-            async with self._room:
-                await self._load(model)
+        """Load the first --max-loaded-models models, side by side (a RequestError if one
+        cannot load)."""
+        async with self._room:
+            loads = [asyncio.ensure_future(self._load(model))
+                     for model in list(self.models.values())[:self.max_loaded]]
+            try:
+                await asyncio.gather(*loads)
+            except BaseException:
+                for load in loads:
+                    load.cancel()
+                await asyncio.gather(*loads, return_exceptions=True)
+                raise
         if self.idle_timeout is not None:
             self._spawn(self._unload_idle())
 

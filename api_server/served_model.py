@@ -13,6 +13,7 @@ import asyncio
 import glob
 import logging
 import os
+import threading
 import time
 
 from api_server.app import build_routes
@@ -28,6 +29,13 @@ logger = logging.getLogger("loom")
 # Beside its weights and KV cache, a loaded model's processes hold their interpreters, PyTorch
 # and activations: a margin the memory check counts for each load.
 PROCESS_OVERHEAD_BYTES = 512 << 20
+# transformers' lazy imports are not thread-safe: two models' tokenizers load one at a time.
+_tokenizer_loads = threading.Lock()
+
+
+def _load_tokenizer(cfg: PipelineConfig):
+    with _tokenizer_loads:
+        return load_tokenizer(cfg)
 
 
 class ServedModel:
@@ -80,7 +88,7 @@ class ServedModel:
             launcher.start_children()
             engine.start()
             exited = asyncio.ensure_future(self._settled_exit(launcher, engine))
-            tokenizer, embedding_dim = await asyncio.to_thread(load_tokenizer, cfg)
+            tokenizer, embedding_dim = await asyncio.to_thread(_load_tokenizer, cfg)
             if server_cfg.trust_request_chat_template:
                 tokenizer.request_templates = TemplateSandbox()
                 await asyncio.to_thread(tokenizer.request_templates.start)
