@@ -40,11 +40,11 @@ def serve_config_from_args(args: argparse.Namespace, model: str | None = None) -
     """The tree of the flags given (the defaults for the others), resolved as far as it can be
     without reading the model: its path or alias, id, weight formats, task and devices, and
     every setting checked. `resolve_model` reads the model for the rest. `model`: which of
-    several (a --model value, NAME=PATH, or a --models-dir entry); default: the first."""
+    several (a --model value, NAME=PATH, or a --models-dir entry); default: the last given."""
     settings = expand_group_flags(
         {name: value for name, value in vars(args).items() if name != "command"})
     specs = settings.pop("model_path", [])
-    model = model if model is not None else (specs[0] if specs else "")
+    model = model if model is not None else (specs[-1] if specs else "")
     name, settings["model_path"] = split_model_name(model)
     if name:
         settings["served_model_name"] = name
