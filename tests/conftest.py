@@ -101,3 +101,14 @@ def client_server(tiny_server):
     """The server the client-library tests (tests/test_client_*.py) drive, each through a
     library's own public API."""
     return tiny_server
+
+
+UNTIED_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def untied_server(shared_server, untied_tiny_model_dir):
+    """The untied tiny model served as "tiny" with a 512-token context behind the API key
+    `UNTIED_KEY`, taking bodies up to 2 MiB: the Anthropic and Responses API tests'."""
+    return shared_server(untied_tiny_model_dir, "--served-model-name", "tiny", "--max-model-len",
+                         "512", "--api-key", UNTIED_KEY, "--max-request-bytes", "2MiB")

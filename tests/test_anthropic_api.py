@@ -15,10 +15,10 @@ from api_server.anthropic_route import AnthropicRoute, _MessageBuilder
 from api_server.engine_client import GenerationFailed
 from api_server.responses_protocol import ResponsesRequest
 from api_server.responses_route import ResponsesRoute, _ResponseBuilder
-from tests.helpers import start_server
+from tests.conftest import UNTIED_KEY
 
-KEY = "test-key"
-CONTEXT = 512
+KEY = UNTIED_KEY
+CONTEXT = 512  # (conftest.untied_server's)
 GREEDY = {"temperature": 0}  # this client version has no temperature argument
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "required": ["city"], "additionalProperties": False,
@@ -30,12 +30,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(untied_tiny_model_dir):
-    srv = start_server(untied_tiny_model_dir, "--served-model-name", "tiny", "--max-model-len",
-                       str(CONTEXT), "--api-key", KEY, "--max-request-bytes", "2MiB")
-    yield srv
-    assert srv.stop() == 0
-    assert "Traceback" not in srv.log()
+def server(untied_server):
+    yield untied_server  # (shared with tests/test_responses_api.py)
+    assert "Traceback" not in untied_server.log()
 
 
 @pytest.fixture

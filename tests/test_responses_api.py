@@ -10,9 +10,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import start_server
+from tests.conftest import UNTIED_KEY
 
-CONTEXT = 512
+CONTEXT = 512  # (conftest.untied_server's)
+AUTH = {"authorization": f"Bearer {UNTIED_KEY}"}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "required": ["city"], "additionalProperties": False,
                          "properties": {"city": {"type": "string", "maxLength": 12}}}}]
@@ -24,18 +25,15 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 @pytest.fixture(scope="module")
-def server(untied_tiny_model_dir):
+def server(untied_server):
     # Untied embeddings: greedy text that varies (a tied tiny model repeats its last token).
-    srv = start_server(untied_tiny_model_dir, "--served-model-name", "tiny",
-                       "--max-model-len", str(CONTEXT))
-    yield srv
-    assert srv.stop() == 0
-    assert "Traceback" not in srv.log()
+    yield untied_server  # (shared with tests/test_anthropic_api.py)
+    assert "Traceback" not in untied_server.log()
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=UNTIED_KEY, max_retries=0)
 
 
 def chat(client, messages, **kw):
@@ -192,7 +190,7 @@ BAD = [
 
 @pytest.mark.parametrize("body,param", BAD)
 def test_bad_requests_are_400s_naming_the_parameter(server, body, param):
-    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    r = httpx.post(server.url + "/v1/responses", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -218,7 +216,7 @@ def test_context_overflow_names_both_numbers(client):
     ("/v1/responses", {"input": "Hello", "max_output_tokens": 600}, "max_output_tokens"),
 ])
 def test_every_route_refuses_what_the_context_cannot_hold(server, path, body, param):
-    r = httpx.post(server.url + path, json=body, timeout=30)
+    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["param"], error["code"]) == (param, "context_length_exceeded")
