@@ -112,3 +112,14 @@ def untied_server(shared_server, untied_tiny_model_dir):
     `UNTIED_KEY`, taking bodies up to 2 MiB: the Anthropic and Responses API tests'."""
     return shared_server(untied_tiny_model_dir, "--served-model-name", "tiny", "--max-model-len",
                          "512", "--api-key", UNTIED_KEY, "--max-request-bytes", "2MiB")
+
+
+@pytest.fixture(scope="session")
+def guarded_server(shared_server, tiny_model_dir):
+    """The tiny model served as "tiny" with a 256-token context, greedy where a request leaves
+    temperature out, and tight bounds (64 sequences a request, 2000 queued tokens, 3 s for a
+    request's head, one allowed web origin): the tests of bad and hostile requests'."""
+    return shared_server(tiny_model_dir, "--max-model-len", "256", "--served-model-name", "tiny",
+                         "--temperature", "0", "--max-sequences-per-request", "64",
+                         "--max-queued-tokens", "2000", "--header-timeout", "3",
+                         "--allowed-origins", "https://app.example")

@@ -4,16 +4,11 @@ serving everyone else."""
 import httpx
 import pytest
 
-from tests.helpers import start_server
-
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(guarded_server):
     # (--temperature 0: requests that leave temperature out are greedy, test_sampling_defaults)
-    srv = start_server(tiny_model_dir, "--max-model-len", "256", "--served-model-name", "tiny",
-                       "--temperature", "0")
-    yield srv
-    assert srv.stop() == 0
+    return guarded_server  # (shared with tests/test_hostile_requests.py)
 
 
 CHAT = "/v1/chat/completions"

@@ -20,13 +20,9 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = start_server(tiny_model_dir, "--max-model-len", "256", "--served-model-name", "tiny",
-                       "--max-sequences-per-request", "64", "--max-queued-tokens", "2000",
-                       "--header-timeout", "3", "--allowed-origins", "https://app.example")
-    yield srv
-    assert srv.stop() == 0
-    assert "Traceback" not in srv.log()
+def server(guarded_server):
+    yield guarded_server  # (shared with tests/test_api_errors.py)
+    assert "Traceback" not in guarded_server.log()
 
 
 def post(server, path, body, timeout=60):
