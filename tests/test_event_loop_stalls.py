@@ -9,19 +9,16 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import start_server
-
 CHAT = "/v1/chat/completions"
 LIVE_P99_S = 0.2  # a liveness probe of 2 s x 3 restarts the pod; this is 10x under it
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = start_server(tiny_model_dir, "--max-model-len", "1024", "--served-model-name", "tiny",
-                       "--max-sequences-per-request", "128", "--max-queued-tokens", "100000")
-    yield srv
-    assert srv.stop() == 0
-    assert "Traceback" not in srv.log()
+def server(tiny_server):
+    # The shared tiny server: a 1024-token context, and default bounds (256 sequences a
+    # request, a million queued tokens) that admit the 128 choices of the probe below.
+    yield tiny_server
+    assert "Traceback" not in tiny_server.log()
 
 
 def rss_mib(pid: int) -> float:
