@@ -45,6 +45,7 @@ class ModelPool:
         self.max_loaded = cfg.max_loaded_models or len(models)
         self.idle_timeout = cfg.model_idle_timeout
         self.known_paths: set[str] = set()  # of the models' routes (the HTTP metrics' labels)
+        self.routes = []  # a loaded model's routes: which paths a model answers
         self._room = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         for model in models:
@@ -137,6 +138,7 @@ class ModelPool:
         model.status = "loading"
         try:
             await model.load(self.known_paths)
+            self.routes = model.app.routes
         except StartupError as exc:
             model.status = "unloaded"
             raise RequestError(f"the model `{model.name}` failed to load: {exc}", param="model",
@@ -167,10 +169,13 @@ class ModelPool:
             for model in self.models.values():
                 if model.loaded and not model.in_flight and \
                         now - model.last_used > self.idle_timeout:
-                    async with self._room:
-                        if model.loaded and not model.in_flight and \
-                                time.monotonic() - model.last_used > self.idle_timeout:
-                            await self._unload(model, "idle")
+                    try:
+                        async with self._room:
+                            if model.loaded and not model.in_flight and \
+                                    time.monotonic() - model.last_used > self.idle_timeout:
+                                await self._unload(model, "idle")
+                    except Exception:  # (the other models still unload on idle)
+                        logger.exception("unloading model %s", model.name)
 
     def _on_failure(self, model: ServedModel, reason: str) -> None:
         async def unload():

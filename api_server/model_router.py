@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from api_server.app import VERSION, secure_app, server_error_handlers
 from api_server.http_protocol import bounded_http_protocol, fit_descriptor_limit
@@ -81,8 +81,8 @@ class ModelRouter:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self.front_paths or \
-                scope["path"].startswith("/v1/models/"):
-            return await self.front(scope, receive, send)
+                scope["path"].startswith("/v1/models/") or not self.model_answers(scope):
+            return await self.front(scope, receive, send)  # (its 404 for a path of no route)
         body = b""
         if scope["method"] not in ("GET", "HEAD"):
             body = await _read_body(receive)
@@ -104,6 +104,11 @@ class ModelRouter:
             await model.app(scope, _replay(body, receive), send)
         finally:
             self.pool.release(model)
+
+    def model_answers(self, scope) -> bool:
+        """A model's routes have this path (no model is loaded for a path none has)."""
+        routes = self.pool.routes
+        return not routes or any(route.matches(scope)[0] is not Match.NONE for route in routes)
 
     # ---- the front's own routes ---------------------------------------------------------------
     async def health(self, request: Request) -> Response:

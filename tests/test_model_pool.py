@@ -3,6 +3,7 @@ instantly: which model an unload makes room with, when a load is refused and why
 unloading. (tests/test_several_models.py: the same on a real server's processes.)"""
 
 import asyncio
+import types
 
 import pytest
 
@@ -28,6 +29,7 @@ class StandIn:
 
     async def load(self, known_paths) -> None:
         self.loaded = True
+        self.app = types.SimpleNamespace(routes=[])
 
     async def unload(self) -> None:
         self.loaded = False

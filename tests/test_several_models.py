@@ -102,6 +102,8 @@ def test_an_unknown_model_gets_openais_404(server):
                                  "type": "not_found_error", "param": "model",
                                  "code": "model_not_found"}
     assert httpx.get(server.url + "/v1/models/no-such-model").status_code == 404
+    r = httpx.get(server.url + "/no/such/path")  # (a path no model answers)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
 def test_loading_a_model_evicts_the_idle_one_while_others_serve(server, oracles):
