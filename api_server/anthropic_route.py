@@ -55,7 +55,7 @@ class AnthropicRoute:
                        response_format=response_format(req),
                        response_format_param="output_config.format",
                        reasoning_tokens=thinking_budget(req), reasoning_share=effort_share(req),
-                       request_path="/v1/messages", large=large)
+                       request_path="/v1/messages", large=large, model=req.model)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt tokens /v1/messages would run: the same rendering, nothing generated."""

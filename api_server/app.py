@@ -16,6 +16,7 @@ from api_server.cross_site import HostPolicy, guard_cross_site
 from api_server.embeddings_route import EmbeddingsRoute
 from api_server.extra_routes import ExtraRoutes
 from api_server.images_route import ImagesRoute
+from api_server.lora_adapters import LoRARoutes
 from api_server.metrics import Metrics
 from api_server.middleware import PUBLIC_PATHS, limit_body_size, require_api_key
 from api_server.openai_routes import OpenAIRoutes
@@ -77,6 +78,7 @@ def build_routes(state: ServerState, serving: ServingContext, metrics: Metrics,
                                    serving.max_model_len)
     responses = ResponsesRoute(serving)
     messages = AnthropicRoute(serving)
+    lora = LoRARoutes(serving)
 
     app = Starlette(
         routes=[
@@ -99,6 +101,8 @@ def build_routes(state: ServerState, serving: ServingContext, metrics: Metrics,
             Route("/v1/messages", messages.create, methods=["POST"]),
             Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
             Route("/v1/embeddings", embeddings.create, methods=["POST"]),
+            Route("/v1/load_lora_adapter", lora.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", lora.unload, methods=["POST"]),
             Route("/v1/audio/speech", speech.create, methods=["POST"]),
             *(web_chat_routes() if web_ui else []),
             *([Route("/v1/images/generations", images.create, methods=["POST"]),

@@ -64,6 +64,7 @@ class ChatJob:
     logprobs: int = 0
     large: bool = False  # from a large body: its checks and conversions run off the loop
     request_path: str = "/v1/chat/completions"
+    model: str | None = None  # the request's `model` (a LoRA adapter's name picks it)
 
 
 @dataclass
@@ -119,7 +120,7 @@ async def prepare_chat(serving: ServingContext, job: ChatJob) -> ChatRun:
     try:
         # Rendered, tokenized and its images decoded once; the other choices copy it.
         contexts = await serving.contexts(lambda i: TokenGeneratorRequest(
-            id=f"{request_id}-{i}", index=i, model_name=serving.model_name,
+            id=f"{request_id}-{i}", index=i, model_name=serving.model_name_for(job.model),
             messages=messages, tools=rendered_tools, request_path=job.request_path,
             timestamp_ns=time.time_ns(), chat_template_options=options,
             logprobs=job.logprobs, response_format=response_format,

@@ -14,6 +14,7 @@ from api_server import chat_cli
 from api_server.startup_error import StartupError
 from pipelines.config import (
     KVCacheConfig,
+    LoRAConfig,
     PipelineConfig,
     SamplingParamsDefaults,
     SpeculativeConfig,
@@ -72,6 +73,7 @@ def serve_config_from_args(args: argparse.Namespace, model: str | None = None) -
     dtype, quantization = resolve_weights(path, model.dtype, model.quantization_encoding)
     task = resolve_task(model.task, path)
     check_tensor_parallel(cfg.device_config.tensor_parallel_size, task)
+    cfg = cfg.replace(lora_paths=check_lora(cfg.lora_config, path, task))
     server = cfg.server_config
     return cfg.replace(
         model_path=path, served_model_name=name, dtype=dtype, quantization_encoding=quantization,
@@ -130,6 +132,32 @@ def serve_configs_from_args(args: argparse.Namespace) -> list[PipelineConfig]:
         raise StartupError(f"two models are named {', '.join(twice)}: name them apart with "
                            f"--model NAME=PATH")
     return cfgs
+
+
+def check_lora(lora: LoRAConfig, model_path: str, task: PipelineTask | None) -> tuple[str, ...]:
+    """--lora-paths as NAME=PATH with absolute paths, every adapter checked against the base
+    model before anything starts."""
+    from pipelines.checkpoint.model_config import load_model_config
+    from pipelines.lora import AdapterError, check_adapter, parse_lora_paths
+
+    if not lora.enable_lora:
+        if lora.lora_paths:
+            raise StartupError("--lora-paths needs --enable-lora")
+        return ()
+    if task not in (None, PipelineTask.TEXT_GENERATION):
+        raise StartupError("--enable-lora: adapters serve text generation models")
+    if lora.max_num_loras < 1 or lora.max_lora_rank < 1:
+        raise StartupError("--max-num-loras and --max-lora-rank must be positive")
+    if lora.lora_dir is not None and not os.path.isdir(lora.lora_dir):
+        raise StartupError(f"--lora-dir {lora.lora_dir}: no such directory")
+    try:
+        adapters = parse_lora_paths(lora.lora_paths)
+        base = load_model_config(model_path) if adapters else None
+        for path in adapters.values():
+            check_adapter(path, base, lora.max_lora_rank)
+    except AdapterError as exc:
+        raise StartupError(f"--lora-paths: {exc}") from None
+    return tuple(f"{name}={path}" for name, path in adapters.items())
 
 
 def resolve_devices(devices: str) -> str:

@@ -102,6 +102,7 @@ class EngineClient:
         self._queued: dict[str, int] = {}
         self._reserved: dict[str, tuple[int, float]] = {}
         self.queued_tokens = 0
+        self._lora_of: dict[str, str] = {}  # request id: its LoRA adapter's name
         # Stall detection: when anything last came back, and since when work is in flight.
         self.last_progress_at = time.monotonic()
         self.busy_since = time.monotonic()
@@ -109,6 +110,10 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self.streams)
+
+    def requests_using(self, lora_name: str) -> int:
+        """Requests in flight that run the LoRA adapter `lora_name`."""
+        return sum(1 for name in self._lora_of.values() if name == lora_name)
 
     @property
     def queued_requests(self) -> int:
@@ -370,6 +375,8 @@ class EngineClient:
         if not self.streams:
             self.busy_since = time.monotonic()
         self.streams[ctx.request_id] = queue
+        if ctx.lora is not None:
+            self._lora_of[ctx.request_id] = ctx.lora.name
         reserved = self._reserved.pop(ctx.request_id, None)
         if reserved is None:
             self.queued_tokens += ctx.prompt_length
@@ -385,6 +392,7 @@ class EngineClient:
         if opened.deadline is not None:
             opened.deadline.cancel()
         self._by_reference.pop(request_id, None)
+        self._lora_of.pop(request_id, None)
         del self.streams[request_id]
         self._dequeue(request_id)
         # Popped whether or not it finished: a stop string can match in the final output.

@@ -36,7 +36,9 @@ class ExtraRoutes:
 
     async def get_model(self, request: Request) -> Response:
         model = request.path_params["model"]
-        for card in self.serving.extra_model_cards(self.serving.created):
+        loras = self.serving.loras
+        for card in [*self.serving.extra_model_cards(self.serving.created),
+                     *(loras.model_cards(self.serving.created) if loras else [])]:
             if card["id"] == model:
                 return json_response(card)
         try:

@@ -26,6 +26,7 @@ from api_server.app import build_app
 from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient, EngineDeadError
 from api_server.http_protocol import bounded_http_protocol, fit_descriptor_limit
+from api_server.lora_adapters import LoRAAdapters
 from api_server.metrics import Metrics
 from api_server.server_state import ServerState
 from api_server.serving_context import ServingContext
@@ -298,8 +299,19 @@ def model_serving(cfg: PipelineConfig, engine: EngineClient, metrics: Metrics,
     serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
                              max_model_len, state, server_cfg, model.task, embedding_dim,
                              extra_model_cards=speech.model_cards,
-                             sampling_defaults=model.sampling_params_defaults)
+                             sampling_defaults=model.sampling_params_defaults,
+                             loras=lora_adapters(cfg, metrics))
     return state, serving, speech
+
+
+def lora_adapters(cfg: PipelineConfig, metrics: Metrics) -> LoRAAdapters | None:
+    """--enable-lora: the adapters requests may name (those of --lora-paths at first)."""
+    lora = cfg.lora_config
+    if not lora.enable_lora:
+        return None
+    metrics.max_lora = lora.max_num_loras
+    base = load_model_config(cfg.model_config.model_path, bool(cfg.custom_architectures))
+    return LoRAAdapters(lora, base, cfg.model_config.served_model_name)
 
 
 def ready_line(model_name: str, host: str, port: int, cfg: ServerConfig) -> str:

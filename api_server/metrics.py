@@ -12,6 +12,7 @@ Where each number comes from:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -155,11 +156,15 @@ class Metrics:
             gauge("gpu_cache_usage_perc", kv_doc + "; the name before "
                   "vllm:kv_cache_usage_perc, still read by older pickers.").labels(name),
         )
-        # Loom serves no LoRA adapters: no adapter is loaded or waited for, and none fits.
+        # One series at a time (vLLM's): the adapters of the running and the waiting
+        # requests, comma-separated, from the scheduler's stats; max_lora 0 without
+        # --enable-lora. Adapter names are the operator's (configured or loaded by route).
         lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
         self.vllm_lora_info = gauge(
             "lora_requests_info", "LoRA adapters running and waiting; the value is when it was "
-            "last updated (Unix time).", lora_labels).labels(name, "0", "", "")
+            "last updated (Unix time).", lora_labels)
+        self.max_lora = 0
+        self._lora_labels = (name, "0", "", "")
         self._cache_config = gauge(
             "cache_config_info", "The KV cache's configuration, in the labels (value 1).",
             ["block_size", "num_gpu_blocks"])
@@ -269,11 +274,21 @@ class Metrics:
                 self.malformed_frames.labels(self.model_name, channel).inc(delta)
                 self._malformed_seen[channel] = total
 
+    def _update_lora_info(self) -> None:
+        """The adapters as of the scheduler's last stats; the info is current when read."""
+        stats = self._last
+        labels = (self.model_name, str(self.max_lora), ",".join(stats.running_lora_adapters),
+                  ",".join(stats.waiting_lora_adapters))
+        if labels != self._lora_labels:
+            with contextlib.suppress(KeyError):
+                self.vllm_lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self.vllm_lora_info.labels(*labels).set(time.time())
+
     def registry_now(self) -> CollectorRegistry:
         """The registry, brought up to date for a scrape."""
         self._sync_malformed_frames()
-        # Nothing about LoRA ever changes here: the info is current whenever it is read.
-        self.vllm_lora_info.set(time.time())
+        self._update_lora_info()
         return self.registry
 
     async def endpoint(self, request: Request) -> Response:

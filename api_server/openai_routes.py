@@ -39,7 +39,8 @@ class OpenAIRoutes:
     async def list_models(self, request: Request) -> Response:
         s = self.serving
         return json_response({"object": "list",
-                              "data": [s.model_card(), *s.extra_model_cards(s.created)]})
+                              "data": [s.model_card(), *s.extra_model_cards(s.created),
+                                       *(s.loras.model_cards(s.created) if s.loras else [])]})
 
     # ---- /v1/completions --------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -61,8 +62,9 @@ class OpenAIRoutes:
             wants_logprobs = req.logprobs is not None
             response_format = self.serving.response_format(req)
             contexts = await self.serving.contexts(lambda i: TokenGeneratorRequest(
-                id=f"{request_id}-{i}", index=i, model_name=self.serving.model_name,
-                prompt=prompts[i // n], request_path="/v1/completions",
+                id=f"{request_id}-{i}", index=i,
+                model_name=self.serving.model_name_for(req.model), prompt=prompts[i // n],
+                request_path="/v1/completions",
                 timestamp_ns=time.time_ns(),
                 logprobs=max(1, req.logprobs) if wants_logprobs else 0,
                 echo=bool(req.echo and wants_logprobs),
@@ -157,7 +159,7 @@ class OpenAIRoutes:
             reasoning_tokens=req.max_reasoning_tokens,
             reasoning_share=effort_budget(req.reasoning_effort, "reasoning_effort"),
             n=req.n, logprobs=max(1, req.top_logprobs or 0) if req.logprobs else 0,
-            large=large)
+            large=large, model=req.model)
 
     def _chat_logprobs(self, d: ChatDelta, req: ChatCompletionRequest) -> list[dict] | None:
         if not req.logprobs or d.logprobs is None:

@@ -37,7 +37,7 @@ def _with_tokens(ctx: TextContext, tokens: np.ndarray, max_length: int, request_
         eos_token_ids=set(ctx.eos_token_ids), ignore_eos=ctx.ignore_eos,
         sampling_params=params, model_name=ctx.model_name,
         log_probabilities=ctx.log_probabilities, json_schema=ctx.json_schema,
-        cache_salt=ctx.cache_salt, **_vision_fields(ctx))
+        cache_salt=ctx.cache_salt, lora=ctx.lora, **_vision_fields(ctx))
 
 
 def _vision_fields(ctx: TextContext) -> dict:

@@ -93,7 +93,7 @@ class ResponsesRoute:
             reasoning_tokens=reasoning.max_tokens if reasoning else None,
             reasoning_share=effort_budget(reasoning.effort, "reasoning.effort")
             if reasoning else None,
-            request_path="/v1/responses", large=large)
+            request_path="/v1/responses", large=large, model=req.model)
 
     def _stored_history(self, req: ResponsesRequest) -> StoredResponse | None:
         """The stored response `previous_response_id` names: the conversation through it."""

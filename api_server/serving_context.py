@@ -22,6 +22,7 @@ from api_server.engine_client import (
 from api_server.engine_stream_response import EngineStreamResponse
 from api_server.generation import ChoiceDelta, after_first_output, once_started, stream_choice
 from api_server.logprobs_format import TokenText
+from api_server.lora_adapters import LoRAAdapters
 from api_server.protocol import RequestError, SamplingFields, check_depth, check_top_k
 from api_server.reasoning import resolve_reasoning_parser
 from api_server.server_state import ServerState
@@ -54,8 +55,10 @@ class ServingContext:
                  task: PipelineTask = PipelineTask.TEXT_GENERATION,
                  embedding_dim: int | None = None,
                  extra_model_cards: Callable[[int], list[dict]] = lambda created: [],
-                 sampling_defaults: SamplingParamsDefaults = SamplingParamsDefaults()) -> None:
+                 sampling_defaults: SamplingParamsDefaults = SamplingParamsDefaults(),
+                 loras: LoRAAdapters | None = None) -> None:
         self.engine = engine
+        self.loras = loras  # --enable-lora: the adapters requests may name as their model
         self.sampling_defaults = sampling_defaults  # of what a request leaves out
         self.extra_model_cards = extra_model_cards  # other models served beside (the voices)
         self.task = task
@@ -89,9 +92,14 @@ class ServingContext:
 
     # ---- checks before anything is tokenized ------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_aliases:
+        if model is not None and model not in self.model_aliases and \
+                not (self.loras is not None and model in self.loras):
             raise RequestError(f"the model `{model}` does not exist", param="model", status=404,
                                code="model_not_found")
+
+    def model_name_for(self, model: str | None) -> str:
+        """The name a request for `model` runs under: a LoRA adapter's, or the model's."""
+        return model if self.loras is not None and model in self.loras else self.model_name
 
     def check_generates(self) -> None:
         if self.task is PipelineTask.PIXEL_GENERATION:
@@ -190,6 +198,9 @@ class ServingContext:
             tokens += n * first.prompt_length
             self.state.check_queue_room(count, tokens)
             contexts.append(first)
+        if self.loras is not None:
+            for ctx in contexts:
+                ctx.lora = self.loras.request_for(ctx.model_name)
         if admit:
             self.state.admit(contexts)
         return contexts

@@ -288,6 +288,7 @@ class TextTokenizer:
             log_probabilities_echo=first.log_probabilities_echo,
             json_schema=first.json_schema,
             cache_salt=first.cache_salt,
+            lora=first.lora,
         )
         if isinstance(first, TextAndVisionContext):
             return TextAndVisionContext(**fields, vision_token_ids=first.vision_token_ids,

@@ -208,6 +208,25 @@ def parse_speculative_config(text: str) -> dict:
     return settings
 
 
+class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """LoRA adapters over the base model (MAX's `LoRAConfig`; pipelines/lora.py reads them)."""
+    enable_lora: Annotated[bool, Flag(
+        "serve LoRA adapters (PEFT format) over the base model; a request picks one by its "
+        "`model`")] = False
+    lora_paths: Annotated[tuple[str, ...], Flag(
+        "adapters served from the start, NAME=PATH each (PATH alone: named after its "
+        "directory); their directories may also hold adapters loaded at run time",
+        names=("--lora-paths", "--lora-modules"), multiple=True,
+        metavar="NAME=PATH")] = ()
+    lora_dir: Annotated[str | None, Flag(
+        "a directory whose adapters /v1/load_lora_adapter may load (besides the directories "
+        "of --lora-paths); paths elsewhere get 400")] = None
+    max_num_loras: Annotated[int, Flag(
+        "adapters resident in the worker at once, and in one batch (others load on first "
+        "use, the least recently used unloaded)", names=("--max-num-loras", "--max-loras"))] = 1
+    max_lora_rank: Annotated[int, Flag("highest adapter rank accepted")] = 16
+
+
 class SpeechConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_speech: Annotated[bool, Flag(
         "serve the default voice on /v1/audio/speech beside a text model (when the [tts] "
@@ -360,6 +379,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "the CPU", names=("--devices", "--device"))] = "auto"
     device_config: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
     speech_config: SpeechConfig = msgspec.field(default_factory=SpeechConfig)
+    lora_config: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
     speculative_config: Annotated[SpeculativeConfig, Flag(
         "vLLM's spelling of the speculative settings, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5}' (method: ngram, suffix or draft_model; model: the "

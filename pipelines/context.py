@@ -23,6 +23,7 @@ import uuid
 import msgspec
 import numpy as np
 
+from pipelines.lora import LoRARequest
 from pipelines.response import LogProbabilities, TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
 from pipelines.status import GenerationStatus
@@ -54,6 +55,9 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
     # Keys the request's prefix-cache blocks apart (vLLM's field): requests with different
     # salts never share KV blocks, so one tenant can't probe another's prompts by hit timing.
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (None: the base model), set by the API process; its
+    # prefix-cache blocks are keyed by it too.
+    lora: LoRARequest | None = None
     status: GenerationStatus = GenerationStatus.ACTIVE
     _size: int = -1
     _start_idx: int = 0
@@ -69,6 +73,14 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
     _cache_seq_id: int | None = None
     _committed_idx: int = 0
     target_endpoint: str | None = None
+
+    @property
+    def prefix_salt(self) -> str | tuple | None:
+        """What keys its prefix-cache blocks apart: its cache_salt, and its adapter (two
+        adapters, or an adapter and the base, compute different KV for the same tokens)."""
+        if self.lora is None:
+            return self.cache_salt
+        return (self.cache_salt, self.lora.name, self.lora.path)
 
     def __post_init__(self) -> None:
         if self._end_idx != -1:  # decoded from the wire: indices are already set

@@ -30,6 +30,7 @@ class Flag:
     metavar: str | None = None
     # Given several times: a list of the values (the CLI splits them, one tree each).
     repeatable: bool = False
+    multiple: bool = False  # several values (`--lora-paths a=x b=y`, or the flag repeated)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -143,6 +144,9 @@ def _add_flag(parser, name: str, base: Any, default: Any, flag: Flag) -> None:
     value_type = _value_type(base)
     metavar = flag.metavar or ("SIZE" if flag.parse is parse_size
                               else {int: "N", float: "X"}.get(value_type))
+    if flag.multiple:
+        kwargs.update(nargs="+", action="extend")
+        value_type = str
     parser.add_argument(*flag_names(name, flag), type=flag.parse or value_type,
                         choices=flag.choices, metavar=metavar, **kwargs)
 

@@ -10,6 +10,7 @@ nobody can precompute a block's hash.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 from collections.abc import Iterator
@@ -29,11 +30,15 @@ def new_hash_key() -> bytes:
     return hashlib.sha256(b"loom prefix cache key " + seed.encode()).digest()
 
 
-def root_hash(key: bytes, cache_salt: str | None) -> BlockHash:
+def root_hash(key: bytes, cache_salt: str | tuple | None) -> BlockHash:
     """The parent of a prompt's first block: the salt enters the chain here, so it changes the
-    hash of every block after it. No salt and an empty salt differ by the tag byte."""
+    hash of every block after it. No salt and an empty salt differ by the tag byte. A tuple
+    is a LoRA request's salt (`TextContext.prefix_salt`: the salt, the adapter's name and
+    path), its own tag byte and JSON keeping it apart from every plain salt."""
     if cache_salt is None:
         return hashlib.sha256(key + b"\x00").digest()
+    if isinstance(cache_salt, tuple):
+        return hashlib.sha256(key + b"\x02" + json.dumps(cache_salt).encode()).digest()
     return hashlib.sha256(key + b"\x01" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 

@@ -51,6 +51,8 @@ class Scheduler:
         self.max_batch_size = pipeline_config.max_batch_size
         self.max_batch_input_tokens = pipeline_config.max_batch_input_tokens
         self.enable_chunked_prefill = pipeline_config.enable_chunked_prefill
+        lora = pipeline_config.lora_config
+        self.max_num_loras = lora.max_num_loras if lora.enable_lora else 0
         self.max_model_len = pipeline_config.model_config.max_length
         self.blocks = blocks
         self.waiting: deque[TextContext] = deque()
@@ -151,7 +153,9 @@ class Scheduler:
         # Then waiting requests, in arrival order, while everything they need is there.
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_batch_size):
-            ctx = self.waiting[0]
+            ctx = self._next_admissible()
+            if ctx is None:
+                break
             cached = []
             if ctx.start_idx == 0 and not ctx.log_probabilities_echo:
                 # (Echo needs logits at every prompt position: nothing may be skipped.)
@@ -164,7 +168,10 @@ class Scheduler:
                 break
             if cached:
                 ctx.set_token_indices(start_idx=start)
-            self.waiting.popleft()
+            if ctx is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(ctx)
             self.running.append(ctx)
             scheduled.append(ctx)
             num_new[ctx.request_id] = n
@@ -174,6 +181,23 @@ class Scheduler:
             return None
         return self._build_step(scheduled, num_new)
 
+    def _next_admissible(self) -> TextContext | None:
+        """The oldest waiting request whose LoRA adapter can run beside the running ones' (at
+        most max_num_loras adapters at once, vLLM's rule: the worker holds that many); one
+        of another adapter waits until a running adapter's requests are done."""
+        if not self.max_num_loras:
+            return self.waiting[0]
+        running = self._lora_names(self.running)
+        for ctx in self.waiting:
+            if ctx.lora is None or ctx.lora.name in running or \
+                    len(running) < self.max_num_loras:
+                return ctx
+        return None
+
+    @staticmethod
+    def _lora_names(contexts) -> set[str]:
+        return {ctx.lora.name for ctx in contexts if ctx.lora is not None}
+
     def _cached_prefix(self, ctx: TextContext) -> list[int]:
         """Cached blocks holding a prefix of the context's tokens under its `cache_salt`
         (another salt's blocks never match). Images are keyed by their pixels
@@ -181,7 +205,7 @@ class Scheduler:
         is cut back to the block holding the image's first token (and again if that block
         starts inside another image): no chunk starts inside an image."""
         cached = self.blocks.find_cached_prefix(ctx.prefix_cache_tokens[: ctx.end_idx],
-                                                ctx.cache_salt)
+                                                ctx.prefix_salt)
         if isinstance(ctx, TextAndVisionContext):
             size, kept = self.blocks.block_size, len(cached)
             # (That block's start may lie inside an earlier image: cut back again.)
@@ -261,7 +285,7 @@ class Scheduler:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             # Blocks full of tokens this step computed (steps queued behind it are not done).
             self.blocks.register_full_blocks(ctx.request_id, ctx.prefix_cache_tokens,
-                                             int(step.batch.seq_lens[i]), ctx.cache_salt)
+                                             int(step.batch.seq_lens[i]), ctx.prefix_salt)
             if ctx.end_idx - ctx.num_future >= self.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             if i in prompt_logprobs:
@@ -287,6 +311,10 @@ class Scheduler:
             generation_tokens_total=self.generation_tokens_total,
             prefix_cache_queries_total=self.blocks.prefix_queries,
             prefix_cache_hits_total=self.blocks.prefix_hits,
+            running_lora_adapters=sorted(self._lora_names(self.running))
+            if self.max_num_loras else [],
+            waiting_lora_adapters=sorted(self._lora_names(self.waiting))
+            if self.max_num_loras else [],
         )
 
     def fail_step(self, step: ScheduledStep, message: str) -> list[TextGenerationOutput]:
@@ -333,6 +361,7 @@ def new_request_for_worker(ctx: TextContext) -> NewRequest:
         rope_positions=ctx.extra_model_args.get("rope_positions")
         if isinstance(ctx, TextAndVisionContext) else None,
         max_length=ctx.max_length,
+        lora=ctx.lora,
     )
 
 

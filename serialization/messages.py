@@ -21,6 +21,7 @@ import numpy as np
 
 from pipelines.context import TextContext
 from pipelines.embeddings import EmbeddingsContext
+from pipelines.lora import LoRARequest
 from pipelines.pixel_context import GenerationOutput, PixelContext
 from pipelines.response import TextGenerationOutput
 from pipelines.sampling_params import SamplingParams
@@ -52,6 +53,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # sampling), steps with a prompt chunk and steps of decodes only apart.
     prefill_forward_times: list[float] = []
     decode_forward_times: list[float] = []
+    # LoRA adapters of the running and the waiting requests (vLLM's lora_requests_info).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
     # Malformed frames the scheduler dropped since it started, per channel it reads
     # (requests, cancel, results).
     malformed_frames_total: dict[str, int] = {}
@@ -123,6 +127,8 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     rope_positions: np.ndarray | None = None
     # The context's max_length (prompt and output); 0: the model's.
     max_length: int = 0
+    # The LoRA adapter its rows run with (None: the base model).
+    lora: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

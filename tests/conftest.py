@@ -89,11 +89,19 @@ def shared_server():
 
 
 @pytest.fixture(scope="session")
-def tiny_server(shared_server, tiny_model_dir):
+def lora_dir(tmp_path_factory) -> str:
+    """The directory tiny_server loads LoRA adapters from (tests/test_lora.py writes them)."""
+    return str(tmp_path_factory.mktemp("lora-adapters"))
+
+
+@pytest.fixture(scope="session")
+def tiny_server(shared_server, tiny_model_dir, lora_dir):
     """The tiny model served as "tiny", for every test that needs no other flag (and a
-    limit of 3 parallel tool calls, which tests/test_client_openai.py checks)."""
+    limit of 3 parallel tool calls, which tests/test_client_openai.py checks; LoRA adapters
+    from `lora_dir`, loaded at run time by tests/test_lora.py)."""
     return shared_server(tiny_model_dir, "--served-model-name", "tiny",
-                         "--max-parallel-tool-calls", "3")
+                         "--max-parallel-tool-calls", "3", "--enable-lora", "--lora-dir",
+                         lora_dir, "--max-num-loras", "3", "--max-lora-rank", "8")
 
 
 @pytest.fixture(scope="session")

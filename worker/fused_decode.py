@@ -107,10 +107,13 @@ class FusedDecode:
             return None
         return cls(model, packed_dtypes.pop() if packed_dtypes else torch.float32)
 
-    @staticmethod
-    def applies(meta: AttentionMetadata) -> bool:
+    # Set for a step with LoRA rows (worker/lora.py): its deltas hook the Python path's
+    # projections.
+    bypass = False
+
+    def applies(self, meta: AttentionMetadata) -> bool:
         """A step whose sequences all feed one token (the rows are the sequences, in order)."""
-        return len(meta.groups) == 1 and meta.groups[0].single_query
+        return not self.bypass and len(meta.groups) == 1 and meta.groups[0].single_query
 
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

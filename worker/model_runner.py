@@ -15,6 +15,7 @@ from pipelines.checkpoint.model_config import ModelConfig, load_model_config, re
 from pipelines.config import PipelineConfig
 from pipelines.context import FUTURE_TOKEN, TextContext
 from pipelines.custom_architectures import load_architectures
+from pipelines.lora import LoRARequest
 from pipelines.pipeline import (
     KVCacheParams,
     ModelInputs,
@@ -43,6 +44,7 @@ from worker.device import (
 from worker.fused_decode import FusedDecode
 from worker.logits_processors import process_logits
 from worker.logprobs import pack_logprobs, plan_echo, resolve_echo
+from worker.lora import LoRASlots
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.quant_linear import QuantLinear
@@ -130,6 +132,8 @@ class ModelRunner:
                                        self.max_model_len, self.max_batch_size, self.num_blocks)
             self.graphs.capture()
         self.requests: dict[str, RequestSamplingState] = {}
+        self.loras = self._lora_slots(pipeline_config)
+        self.lora_of: dict[str, LoRARequest] = {}  # the requests that run an adapter
         self.failing: set[str] = set()  # requests that failed alone (their state says why)
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
@@ -140,6 +144,29 @@ class ModelRunner:
             kv_bytes / (1 << 30), self.num_blocks, block_size,
             self.num_blocks * block_size,
         )
+
+    def _lora_slots(self, pipeline_config: PipelineConfig) -> LoRASlots | None:
+        lora = pipeline_config.lora_config
+        if not lora.enable_lora:
+            return None
+        if self.tp is not None or not isinstance(self.model, PagedCausalLM) \
+                or not hasattr(self.model, "layers"):
+            raise ValueError("--enable-lora: LoRA adapters are served over one worker's "
+                             "Llama-family or Gemma 3 text model (no --tensor-parallel-size)")
+        return LoRASlots(self.model, self.config, lora.max_num_loras, lora.max_lora_rank,
+                         self.model.compute_dtype, self.device)
+
+    def _set_lora_step(self, step: StepBatch, states: list[RequestSamplingState]) -> bool:
+        """Load the step's adapters and point their hooks at their rows; a request whose
+        adapter fails to load fails alone. Returns whether any row runs an adapter."""
+        adapters = [self.lora_of.get(rid) for rid in step.request_ids]
+        failed = self.loras.load_for_step({a for a in adapters if a is not None})
+        for i, adapter in enumerate(adapters):
+            if adapter in failed:
+                states[i].error = failed[adapter]
+                self.failing.add(step.request_ids[i])
+                adapters[i] = None
+        return self.loras.set_step(adapters, step.query_lens)
 
     def _uses_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: on one GPU, for the architectures whose forward
@@ -168,6 +195,8 @@ class ModelRunner:
         as finished are released."""
         for new in step.new_requests:
             self.requests[new.request_id] = self._new_state(new)
+            if new.lora is not None:
+                self.lora_of[new.request_id] = new.lora
         for request_id in step.finished_request_ids:
             self.release(request_id)
 
@@ -177,6 +206,7 @@ class ModelRunner:
         if num_seqs == 0:
             return out
         states = [self.requests[rid] for rid in step.request_ids]
+        with_lora = self.loras is not None and self._set_lora_step(step, states)
         due = np.flatnonzero(step.sample)  # the sequences every rank expects a token for
         # One request's failure ends that request, never the step: seq -> error. A request
         # that failed before is in steps already built behind that one: it samples no more.
@@ -187,8 +217,12 @@ class ModelRunner:
         if failed:
             echo_plans = [p for p in echo_plans if p.seq not in failed]
         with torch.inference_mode():
-            inputs, outputs, logit_seqs, echo_logits = self._forward(step, contexts,
-                                                                      sample_seqs, echo_plans)
+            try:
+                inputs, outputs, logit_seqs, echo_logits = self._forward(
+                    step, contexts, sample_seqs, echo_plans, with_lora)
+            finally:
+                if with_lora:
+                    self.loras.clear_step()
             if outputs.failed_requests:  # (an image that failed to encode: rows discarded)
                 for i, rid in enumerate(step.request_ids):
                     if rid in outputs.failed_requests:
@@ -211,7 +245,7 @@ class ModelRunner:
         return out
 
     def _forward(self, step: StepBatch, contexts: list[TextContext], sample_seqs: np.ndarray,
-                 echo_plans: list) -> tuple:
+                 echo_plans: list, with_lora: bool = False) -> tuple:
         """The model's outputs for the step (on the host): (inputs, outputs, the sequence of
         each next_token_logits row, the echo plans' rows' logits).
 
@@ -219,7 +253,8 @@ class ModelRunner:
         sequences' last rows, then the echo rows), and their decode-only steps replay CUDA
         graphs where captured; any other model gives every context's last row, and every row
         when echo is asked (return_n_logits=-1)."""
-        if self.graphs is not None and not echo_plans and self.graphs.fits(step):
+        if self.graphs is not None and not echo_plans and not with_lora \
+                and self.graphs.fits(step):
             logits = self.graphs.run(step, fed_tokens(contexts))
             if len(sample_seqs) < len(contexts):  # (a failed sequence's row left out)
                 logits = logits[torch.from_numpy(sample_seqs).to(logits.device)]
@@ -233,6 +268,9 @@ class ModelRunner:
         if narrowed:  # (a rank that does not sample computes no logits: rows of none)
             rows = [last_rows_of(step)[sample_seqs] if self.samples else sample_seqs[:0]]
             inputs.narrow(np.concatenate(rows + [p.rows for p in echo_plans]), len(rows[0]))
+        fused = getattr(self.model, "fused_decode", None)
+        if fused is not None:  # (its projections are fixed in C: adapter rows take Python's)
+            fused.bypass = with_lora
         outputs = self.model.execute(inputs).to_host()
         if narrowed:
             return inputs, outputs, sample_seqs, outputs.logits
@@ -288,6 +326,7 @@ class ModelRunner:
         """Forget a finished request's sampling state, and what the model kept for it (its
         KV blocks are the scheduler's)."""
         self.requests.pop(request_id, None)
+        self.lora_of.pop(request_id, None)
         self.failing.discard(request_id)
         self.model.release(request_id)
 

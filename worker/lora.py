@@ -1,0 +1,164 @@
+"""LoRA adapters applied to the rows of their requests, in batches shared with the base model
+(Punica's and vLLM's scheme, here in PyTorch).
+
+The base projections run once for the whole step; a forward hook on each target projection
+(qkv, o, gate_up, down) then adds, for each adapter in the step, scale * (x @ A) @ B to that
+adapter's rows only. The adapters live in `max_num_loras` slots of stacked tensors, every
+rank padded to --max-lora-rank (a fused projection's parts side by side: qkv's A is
+[in, 3R] and its B [3R, q+k+v], block-diagonal), so an adapter loads by copying into a slot
+and the hooks never allocate. Resident adapters are kept least recently used first; one not
+resident is read from its directory when a step first needs it.
+
+Steps with adapter rows take the model's Python path (the hooks run there), not the one-call
+native decode step, whose projections are fixed in C; steps without any run as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from pipelines.lora import LoRARequest, base_shapes, parse_key, read_config, scaling
+
+logger = logging.getLogger(__name__)
+
+# Each hooked projection of a layer: its module path, and the PEFT modules fused in it.
+TARGETS = (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+           ("self_attn.o_proj", ("o_proj",)),
+           ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+           ("mlp.down_proj", ("down_proj",)))
+
+
+class _Target:
+    """One projection's adapter weights, all slots: A [slots, in, parts*R], B [slots,
+    parts*R, out]."""
+
+    def __init__(self, parts, shapes, slots, rank, dtype, device) -> None:
+        self.parts = parts
+        in_features = shapes[parts[0]][1]
+        self.out_offsets = np.cumsum([0] + [shapes[p][0] for p in parts]).tolist()
+        self.A = torch.zeros(slots, in_features, len(parts) * rank, dtype=dtype, device=device)
+        self.B = torch.zeros(slots, len(parts) * rank, self.out_offsets[-1], dtype=dtype,
+                             device=device)
+
+
+class LoRASlots:
+    def __init__(self, model: torch.nn.Module, config, max_num_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.max_num_loras, self.max_rank = max_num_loras, max_rank
+        self.resident: OrderedDict[str, tuple[int, str]] = OrderedDict()  # name: (slot, path)
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step's (slot, rows)
+        shapes = base_shapes(config)
+        self.targets: dict[tuple[int, str], _Target] = {}
+        for i, layer in enumerate(model.layers):
+            for path, parts in TARGETS:
+                target = _Target(parts, shapes, max_num_loras, max_rank, dtype, device)
+                for part in parts:
+                    self.targets[(i, part)] = target
+                layer.get_submodule(path).register_forward_hook(self._hook(target))
+
+    def _hook(self, target: _Target):
+        def add_deltas(module, inputs, output):
+            if not self.groups:
+                return None
+            x = inputs[0]
+            for slot, rows in self.groups:
+                if rows is None:  # (every row of the step)
+                    output.add_(x @ target.A[slot] @ target.B[slot])
+                else:
+                    output.index_add_(0, rows, x[rows] @ target.A[slot] @ target.B[slot])
+            return output
+        return add_deltas
+
+    # ---- per step ---------------------------------------------------------------------------
+    def load_for_step(self, adapters: set[LoRARequest]) -> dict[LoRARequest, str]:
+        """Make the step's adapters resident (at most max_num_loras: the scheduler's bound);
+        returns those that failed to load, with why."""
+        failed = {}
+        keep = {a.name for a in adapters}
+        for adapter in adapters:
+            try:
+                self._make_resident(adapter, keep)
+            except Exception as exc:  # (its requests fail; the others run)
+                logger.error("LoRA adapter %s failed to load: %s", adapter.name, exc)
+                self.resident.pop(adapter.name, None)
+                failed[adapter] = f"LoRA adapter {adapter.name} failed to load: {exc}"
+        return failed
+
+    def set_step(self, adapters: list[LoRARequest | None], query_lens: np.ndarray) -> bool:
+        """Point the hooks at this step's rows: sequence i feeds query_lens[i] rows and runs
+        `adapters[i]` (None: the base model; each resident). Returns whether any row has an
+        adapter."""
+        self.groups = []
+        named = [i for i, a in enumerate(adapters) if a is not None]
+        if not named:
+            return False
+        ends = np.cumsum(query_lens)
+        starts = ends - query_lens
+        by_slot: dict[int, list[np.ndarray]] = {}
+        for i in named:
+            slot = self.resident[adapters[i].name][0]
+            by_slot.setdefault(slot, []).append(np.arange(starts[i], ends[i]))
+        device = next(iter(self.targets.values())).A.device
+        for slot, ranges in by_slot.items():
+            rows = np.concatenate(ranges)
+            whole = len(rows) == int(ends[-1])
+            self.groups.append((slot, None if whole else torch.from_numpy(rows).to(device)))
+        return True
+
+    def clear_step(self) -> None:
+        self.groups = []
+
+    # ---- residency --------------------------------------------------------------------------
+    def _make_resident(self, adapter: LoRARequest, keep: set[str]) -> None:
+        held = self.resident.get(adapter.name)
+        if held is not None and held[1] == adapter.path:
+            self.resident.move_to_end(adapter.name)
+            return
+        if held is not None:  # (unloaded and loaded again from elsewhere)
+            slot = self.resident.pop(adapter.name)[0]
+        elif len(self.resident) < self.max_num_loras:
+            used = {s for s, _ in self.resident.values()}
+            slot = next(s for s in range(self.max_num_loras) if s not in used)
+        else:  # the least recently used adapter this step does not run
+            victim = next(name for name in self.resident if name not in keep)
+            slot = self.resident.pop(victim)[0]
+            logger.info("LoRA adapter %s unloaded (slot %d) for %s", victim, slot, adapter.name)
+        self._load(adapter, slot)
+        self.resident[adapter.name] = (slot, adapter.path)
+
+    def _load(self, adapter: LoRARequest, slot: int) -> None:
+        from safetensors.torch import load_file
+
+        started = time.monotonic()
+        config = read_config(adapter.path)
+        weights = load_file(f"{adapter.path}/adapter_model.safetensors")
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key, value in weights.items():
+            parsed = parse_key(key)
+            if parsed is None:
+                raise ValueError(f"LoRA adapter {adapter.name}: unexpected weight {key}")
+            layer, module, part = parsed
+            pairs.setdefault((layer, module), {})[part] = value
+        for target in set(self.targets.values()):
+            target.A[slot].zero_()
+            target.B[slot].zero_()
+        with torch.no_grad():
+            for (layer, module), ab in pairs.items():
+                target = self.targets[(layer, module)]
+                a, b = ab["A"], ab["B"]  # [r, in], [out, r]
+                rank = a.shape[0]
+                if rank > self.max_rank:
+                    raise ValueError(f"LoRA adapter {adapter.name}: rank {rank} above "
+                                     f"{self.max_rank}")
+                p = target.parts.index(module)
+                cols = slice(p * self.max_rank, p * self.max_rank + rank)
+                out = slice(target.out_offsets[p], target.out_offsets[p + 1])
+                target.A[slot][:, cols] = a.t().to(target.A.dtype)
+                target.B[slot][cols, out] = (b.t() * scaling(config, rank)).to(target.B.dtype)
+        logger.info("LoRA adapter %s loaded from %s into slot %d in %.2fs", adapter.name,
+                    adapter.path, slot, time.monotonic() - started)
