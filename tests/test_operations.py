@@ -14,6 +14,7 @@ import httpx
 import pytest
 import zmq
 
+from tests.conftest import UNTIED_KEY
 from tests.helpers import ROOT, pid_alive, start_server, wait_gone
 
 COMP = "/v1/completions"
@@ -294,46 +295,43 @@ def test_garbage_frames_on_every_socket_are_dropped(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_api_key(tiny_model_dir, tmp_path):
-    srv = start_server(tiny_model_dir, "--api-key", "s3cret")
-    try:
-        assert httpx.get(srv.url + "/health").status_code == 200
-        assert httpx.get(srv.url + "/live").json() == {"status": "alive"}  # (probes: no key)
-        # The counters tell about other clients' requests: key needed (or --metrics-public).
-        assert httpx.get(srv.url + "/metrics").status_code == 401
-        assert httpx.get(srv.url + "/metrics",
-                         headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        # A key keeps rebound pages out: any Host is served to whoever holds it.
-        assert httpx.get(srv.url + "/v1/models", headers={"Host": "loom.example",
-                                                           "Authorization": "Bearer s3cret"}
-                         ).status_code == 200
-        r = httpx.get(srv.url + "/v1/models")
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        bad = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
-        assert bad.status_code == 401
-        good = httpx.post(srv.url + COMP, json={"prompt": "hi", "max_tokens": 1},
-                          headers={"Authorization": "Bearer s3cret"})
-        assert good.status_code == 200
-        # The web chat too: its 401 makes a browser ask (any user name, the key as password),
-        # and the browser then sends the same Basic credentials with the page's requests.
-        page = httpx.get(srv.url + "/")
-        assert page.status_code == 401 and page.headers["www-authenticate"].startswith("Basic")
-        assert httpx.get(srv.url + "/", auth=("me", "nope")).status_code == 401
-        page = httpx.get(srv.url + "/", auth=("me", "s3cret"))
-        assert page.status_code == 200 and "<title>Loom chat</title>" in page.text
-        assert httpx.get(srv.url + "/v1/models", auth=("", "s3cret")).status_code == 200
-        # `loom bench` sends the key it is given, and says so when it has none.
-        bench = [sys.executable, "-m", "api_server.cli", "bench", "--url", srv.url,
-                 "--prompt-len", "8", "--output-len", "4", "--concurrency", "1",
-                 "--out", str(tmp_path)]
-        env = {**os.environ, "PYTHONPATH": ROOT}
-        env.pop("OPENAI_API_KEY", None)
-        refused = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=120)
-        assert refused.returncode == 1 and "--api-key" in refused.stderr, refused.stderr
-        ran = subprocess.run(bench + ["--api-key", "s3cret"], env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert ran.returncode == 0, ran.stderr
-        (row,) = [line.split() for line in ran.stdout.splitlines() if line.startswith("loom")]
-        assert row[1] == "1" and int(row[-2]) >= 4 and row[-1] == "0", ran.stdout  # ok, failed
-    finally:
-        srv.stop()
+def test_api_key(untied_server, tmp_path):
+    srv, key = untied_server, UNTIED_KEY  # (a shared server behind a key)
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert httpx.get(srv.url + "/live").json() == {"status": "alive"}  # (probes: no key)
+    # The counters tell about other clients' requests: key needed (or --metrics-public).
+    assert httpx.get(srv.url + "/metrics").status_code == 401
+    assert httpx.get(srv.url + "/metrics",
+                     headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    # A key keeps rebound pages out: any Host is served to whoever holds it.
+    assert httpx.get(srv.url + "/v1/models", headers={"Host": "loom.example",
+                                                       "Authorization": f"Bearer {key}"}
+                     ).status_code == 200
+    r = httpx.get(srv.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    bad = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401
+    good = httpx.post(srv.url + COMP, json={"prompt": "hi", "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {key}"})
+    assert good.status_code == 200
+    # The web chat too: its 401 makes a browser ask (any user name, the key as password),
+    # and the browser then sends the same Basic credentials with the page's requests.
+    page = httpx.get(srv.url + "/")
+    assert page.status_code == 401 and page.headers["www-authenticate"].startswith("Basic")
+    assert httpx.get(srv.url + "/", auth=("me", "nope")).status_code == 401
+    page = httpx.get(srv.url + "/", auth=("me", key))
+    assert page.status_code == 200 and "<title>Loom chat</title>" in page.text
+    assert httpx.get(srv.url + "/v1/models", auth=("", key)).status_code == 200
+    # `loom bench` sends the key it is given, and says so when it has none.
+    bench = [sys.executable, "-m", "api_server.cli", "bench", "--url", srv.url,
+             "--prompt-len", "8", "--output-len", "4", "--concurrency", "1",
+             "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("OPENAI_API_KEY", None)
+    refused = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "--api-key" in refused.stderr, refused.stderr
+    ran = subprocess.run(bench + ["--api-key", key], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    (row,) = [line.split() for line in ran.stdout.splitlines() if line.startswith("loom")]
+    assert row[1] == "1" and int(row[-2]) >= 4 and row[-1] == "0", ran.stdout  # ok, failed
