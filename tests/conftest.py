@@ -131,3 +131,23 @@ def guarded_server(shared_server, tiny_model_dir):
                          "--temperature", "0", "--max-sequences-per-request", "64",
                          "--max-queued-tokens", "2000", "--header-timeout", "3",
                          "--allowed-origins", "https://app.example")
+
+
+@pytest.fixture(scope="session")
+def vision_media_dir(tmp_path_factory):
+    """A directory whose "allowed" subdirectory is the one `vision_server` reads file:// URLs
+    from; the vision modules put their images in it (and beside it, to be refused)."""
+    root = tmp_path_factory.mktemp("vision-media")
+    (root / "allowed").mkdir()
+    return root
+
+
+@pytest.fixture(scope="session")
+def vision_server(shared_server, idefics3_dir, vision_media_dir):
+    """The tiny Idefics3 served as "vlm", prefilled 16 tokens a step (so that chunks meet
+    images), at most 2 images a prompt and 9M pixels a request: tests/test_vision.py's and
+    tests/test_vision_apis.py's."""
+    return shared_server(idefics3_dir, "--served-model-name", "vlm", "--max-num-batched-tokens",
+                         "16", "--limit-mm-per-prompt", "2", "--allowed-local-media-path",
+                         str(vision_media_dir / "allowed"), "--max-request-image-pixels",
+                         "9000000")

@@ -37,7 +37,6 @@ from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler
 from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from serialization.messages import RequestMessage
-from tests.helpers import start_server
 from worker.model_runner import ModelRunner
 from worker.pipeline import run_step
 
@@ -135,10 +134,9 @@ def oracle(vlm_dir):
 # ---- through the HTTP server ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("media")
+def media_dir(vision_media_dir):
+    root = vision_media_dir
     allowed = root / "allowed"
-    allowed.mkdir()
     IMAGES["wide"].save(allowed / "wide.png")
     IMAGES["tall"].save(root / "outside.png")
     os.symlink(root / "outside.png", allowed / "link.png")
@@ -146,12 +144,8 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(vlm_dir, media_dir):
-    srv = start_server(vlm_dir, "--served-model-name", "vlm", "--max-num-batched-tokens", "16",
-                       "--limit-mm-per-prompt", "2",
-                       "--allowed-local-media-path", str(media_dir / "allowed"))
-    yield srv
-    assert srv.stop() == 0
+def server(vision_server, media_dir):
+    return vision_server  # (shared with tests/test_vision_apis.py)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from PIL import Image
 from api_server.image_budget import ImagePixelBudget
 from api_server.protocol import RequestError
 from bench.server_metrics import parse_series
-from tests.helpers import start_server
 from tests.test_vision import IMAGES, MAX_TOKENS, TEXT, data_url
 
 
@@ -35,23 +34,19 @@ def png_base64(name: str) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-REQUEST_PIXELS = 9_000_000  # the test server's --max-request-image-pixels
+REQUEST_PIXELS = 9_000_000  # the test server's --max-request-image-pixels (conftest's)
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("media")
-    IMAGES["tall"].save(root / "tall.png")
-    return root
+def media_dir(vision_media_dir):
+    allowed = vision_media_dir / "allowed"  # (what the server reads file:// URLs from)
+    IMAGES["tall"].save(allowed / "tall.png")
+    return allowed
 
 
 @pytest.fixture(scope="module")
-def server(idefics3_dir, media_dir):
-    srv = start_server(idefics3_dir, "--served-model-name", "vlm", "--max-num-batched-tokens", "16",
-                       "--limit-mm-per-prompt", "2", "--allowed-local-media-path",
-                       str(media_dir), "--max-request-image-pixels", str(REQUEST_PIXELS))
-    yield srv
-    assert srv.stop() == 0
+def server(vision_server, media_dir):
+    return vision_server  # (shared with tests/test_vision.py)
 
 
 @pytest.fixture(scope="module")
