@@ -119,6 +119,8 @@ def serve_configs_from_args(args: argparse.Namespace) -> list[PipelineConfig]:
     if getattr(args, "served_model_name", None):
         raise StartupError("--served-model-name names one model; name each of several with "
                            "--model NAME=PATH")
+    if getattr(args, "image_model_path", None):
+        raise StartupError("--image-model is served beside one text model, not several")
     pool = PipelineConfig().replace(**{k: v for k, v in vars(args).items() if k in (
         "max_loaded_models", "model_idle_timeout")}).model_pool_config
     if pool.max_loaded_models is not None and pool.max_loaded_models < 1:
@@ -172,7 +174,8 @@ def resolve_devices(devices: str) -> str:
 POSITIVE = ("max_batch_size", "max_batch_input_tokens", "kv_cache_page_size",
             "max_sequences_per_request", "max_parallel_tool_calls", "max_image_bytes",
             "max_image_pixels", "max_request_image_pixels", "max_image_pixels_in_flight",
-            "max_header_bytes", "max_headers", "max_connections", "header_timeout")
+            "max_header_bytes", "max_headers", "max_connections", "header_timeout",
+            "max_image_size")
 
 
 def check_ranges(settings: dict) -> None:
@@ -359,10 +362,26 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
                 max_length = resolve_max_model_len(config, model.max_length)
         except (FileNotFoundError, UnsupportedModelError, ValueError, KeyError) as exc:
             raise StartupError(f"--model {path}: {exc}") from None
+    cfg = resolve_image_model(cfg)
     budget = cfg.max_batch_input_tokens
     if not cfg.enable_chunked_prefill:  # (a whole prompt in one step)
         budget = max(budget, max_length)
     return cfg.replace(max_length=max_length, tokenizer=tokenizer, max_batch_input_tokens=budget)
+
+
+def resolve_image_model(cfg: PipelineConfig) -> PipelineConfig:
+    """--image-model: a diffusers FLUX directory, served beside a text model."""
+    path = cfg.pixel_config.image_model_path
+    if path is None:
+        return cfg
+    from pipelines.checkpoint.model_config import detect_task
+
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path) or detect_task(path) is not PipelineTask.PIXEL_GENERATION:
+        raise StartupError(f"--image-model {path}: not a diffusers directory (model_index.json)")
+    if cfg.model_config.task is not PipelineTask.TEXT_GENERATION:
+        raise StartupError("--image-model is served beside a text generation model")
+    return cfg.replace(image_model_path=path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,6 +75,12 @@ class ImagesRoute:
         self.model_name = model_name
         self.default_size = min(default_size, tokenizer.max_image_size)
 
+    def model_card(self, created: int) -> dict:
+        """/v1/models' card of the image model served beside a text model."""
+        return {"id": self.model_name, "object": "model", "created": created,
+                "owned_by": "loom", "root": self.model_name, "parent": None, "task": "image",
+                "max_image_size": self.tokenizer.max_image_size}
+
     def _size(self, size: str) -> tuple[int, int]:
         if size == "auto":
             return self.default_size, self.default_size

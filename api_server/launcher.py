@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 import uvicorn
 
@@ -214,7 +215,8 @@ class Launcher:
         engine.start()
         tokenizer, embedding_dim = load_tokenizer(cfg)
         _import_streaming_backend()
-        state, serving, speech = model_serving(cfg, engine, metrics, tokenizer, embedding_dim)
+        state, serving, speech, images = model_serving(cfg, engine, metrics, tokenizer,
+                                                       embedding_dim)
         if server_cfg.trust_request_chat_template:
             tokenizer.request_templates = TemplateSandbox()
             tokenizer.request_templates.start()  # spawning takes ~1.5 s: not on a request
@@ -223,7 +225,7 @@ class Launcher:
                         metrics_public=server_cfg.metrics_public, bound_host=server_cfg.host,
                         allowed_hosts=server_cfg.allowed_hosts,
                         allowed_origins=server_cfg.allowed_origins, web_ui=server_cfg.web_ui,
-                        images=_images_route(engine, state, model, metrics))
+                        images=images)
         server = _Server(uvicorn.Config(
             app, log_level=server_cfg.log_level, access_log=server_cfg.log_level == "debug",
             timeout_graceful_shutdown=1.0, lifespan="off",
@@ -290,18 +292,20 @@ def load_tokenizer(cfg: PipelineConfig) -> tuple[TextTokenizer, int | None]:
 
 def model_serving(cfg: PipelineConfig, engine: EngineClient, metrics: Metrics,
                   tokenizer: TextTokenizer, embedding_dim: int | None,
-                  ) -> tuple[ServerState, ServingContext, SpeechRoute]:
-    """What the routes of one model share: its admission state, serving context and speech."""
+                  ) -> tuple[ServerState, ServingContext, SpeechRoute, Any]:
+    """What the routes of one model share: its admission state, serving context, speech and
+    images (an ImagesRoute, or None)."""
     model, server_cfg = cfg.model_config, cfg.server_config
     max_model_len = model.max_length  # (resolved by the CLI)
     state = ServerState(engine, server_cfg.admission)
     speech = SpeechRoute(engine, state, metrics, tokenizer, max_model_len)
+    images = _images_route(engine, state, cfg, metrics)
     serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
                              max_model_len, state, server_cfg, model.task, embedding_dim,
-                             extra_model_cards=speech.model_cards,
+                             extra_model_cards=_model_cards(speech, images, model.task),
                              sampling_defaults=model.sampling_params_defaults,
                              loras=lora_adapters(cfg, metrics))
-    return state, serving, speech
+    return state, serving, speech, images
 
 
 def lora_adapters(cfg: PipelineConfig, metrics: Metrics) -> LoRAAdapters | None:
@@ -380,15 +384,32 @@ def serve(cfg: PipelineConfig) -> int:
         listen_socket.close()
 
 
-def _images_route(engine, state, model, metrics):
-    """The Images API, for a diffusers pipeline directory (none for other models)."""
-    if model.task is not PipelineTask.PIXEL_GENERATION:
+def _images_route(engine, state, cfg: PipelineConfig, metrics):
+    """The Images API, for a diffusers pipeline directory served alone or beside a text model
+    (--image-model: its id is the directory's name); None without one."""
+    model = cfg.model_config
+    if model.task is PipelineTask.PIXEL_GENERATION:
+        path, name = model.model_path, model.served_model_name
+    elif cfg.pixel_config.image_model_path is not None:
+        path = cfg.pixel_config.image_model_path
+        name = os.path.basename(path.rstrip("/"))
+    else:
         return None
     from api_server.images_route import ImagesRoute
     from api_server.pixel_tokenizer import PixelGenerationTokenizer
 
-    return ImagesRoute(engine, state, PixelGenerationTokenizer(model.model_path),
-                       model.served_model_name, metrics)
+    tokenizer = PixelGenerationTokenizer(path, max_image_size=cfg.pixel_config.max_image_size)
+    return ImagesRoute(engine, state, tokenizer, name, metrics)
+
+
+def _model_cards(speech, images, task: PipelineTask):
+    """/v1/models' cards of the models served beside the main one: voices, an image model."""
+    def cards(created: int) -> list[dict]:
+        found = speech.model_cards(created)
+        if images is not None and task is not PipelineTask.PIXEL_GENERATION:
+            found.append(images.model_card(created))
+        return found
+    return cards
 
 
 def _import_streaming_backend() -> None:

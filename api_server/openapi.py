@@ -8,6 +8,7 @@ import msgspec
 from api_server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from api_server.embeddings_route import EmbeddingRequest
 from api_server.extra_routes import DetokenizeRequest, TokenizeRequest
+from api_server.images_route import FORMATS, ImagesRequest
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 from api_server.responses_protocol import ResponsesRequest
 from api_server.speech_route import SpeechRequest
@@ -73,6 +74,16 @@ def _speech_post() -> dict:
     return op
 
 
+def _image_content_get() -> dict:
+    op = _get("An image generated with response_format url (kept for a limited time and "
+              "number)", errors=(401, 404))
+    op["get"]["responses"]["200"]["content"] = {
+        f"image/{fmt}": {"schema": {"type": "string", "format": "binary"}} for fmt in FORMATS}
+    op["get"]["parameters"] = [{"name": "image_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]
+    return op
+
+
 def _get(summary: str, content_type: str = "application/json", errors=(401,)) -> dict:
     return {"get": {"summary": summary, "responses": _responses(*errors,
                                                                 content_type=content_type)}}
@@ -82,7 +93,7 @@ def build_openapi(version: str) -> dict:
     _, components = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
          EmbeddingRequest, SpeechRequest, ResponsesRequest, MessagesRequest,
-         CountTokensRequest],
+         CountTokensRequest, ImagesRequest],
         ref_template=_REF,
     )
     components["Error"] = ERROR_SCHEMA
@@ -107,6 +118,10 @@ def build_openapi(version: str) -> dict:
                                                error="AnthropicError"),
             "/v1/embeddings": _post("EmbeddingRequest", "Embeddings (on an embeddings server)"),
             "/v1/audio/speech": _speech_post(),
+            "/v1/images/generations": _post(
+                "ImagesRequest", "Images from a prompt (OpenAI's Images API; on a server with "
+                "an image model): JSON, or image_generation.* events with stream", stream=True),
+            "/v1/images/{image_id}/content": _image_content_get(),
             "/tokenize": _post("TokenizeRequest", "Tokenize a prompt or chat messages"),
             "/detokenize": _post("DetokenizeRequest", "Token ids back to text"),
             "/v1/models": _get("Served models"),

@@ -89,7 +89,11 @@ class PixelGenerationTokenizer:
     def check(self, request: PixelGenerationRequest) -> None:
         for name in ("height", "width"):
             value = getattr(request, name)
-            if not SIZE_MULTIPLE <= value <= self.max_image_size or value % SIZE_MULTIPLE:
+            if value > self.max_image_size:  # (the server's --max-image-size)
+                raise RequestError(f"{name} {value} is over this model's largest, "
+                                   f"{self.max_image_size}", param="size",
+                                   code="image_too_large")
+            if value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
                 raise RequestError(f"{name} must be a multiple of {SIZE_MULTIPLE} from "
                                    f"{SIZE_MULTIPLE} to {self.max_image_size}, not {value}",
                                    param="size")

@@ -19,7 +19,7 @@ import time
 from api_server.app import build_routes
 from api_server.chat_template import TemplateSandbox
 from api_server.engine_client import EngineClient
-from api_server.launcher import Launcher, _any_exited, _images_route, load_tokenizer, model_serving
+from api_server.launcher import Launcher, _any_exited, load_tokenizer, model_serving
 from api_server.metrics import Metrics
 from pipelines.config import PipelineConfig
 from serialization.messages import SchedulerStats
@@ -99,11 +99,10 @@ class ServedModel:
             engine.close()
             await asyncio.to_thread(launcher.stop_children)
             raise
-        state, serving, speech = model_serving(cfg, engine, self.metrics, tokenizer,
-                                               embedding_dim)
+        state, serving, speech, images = model_serving(cfg, engine, self.metrics, tokenizer,
+                                                       embedding_dim)
         self.metrics.observe_cache_config(engine.ready.block_size, engine.ready.num_blocks)
-        app = build_routes(state, serving, self.metrics, speech, server_cfg.web_ui,
-                           _images_route(engine, state, cfg.model_config, self.metrics))
+        app = build_routes(state, serving, self.metrics, speech, server_cfg.web_ui, images)
         known_paths.update(route.path for route in app.routes)
         self.launcher, self.engine, self.state, self.serving = launcher, engine, state, serving
         self.app = app

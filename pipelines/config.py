@@ -236,6 +236,15 @@ class SpeechConfig(msgspec.Struct, frozen=True, kw_only=True):
         negations=("--deterministic-speech",))] = True
 
 
+class PixelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    image_model_path: Annotated[str | None, Flag(
+        "a diffusers FLUX directory (model_index.json) served on /v1/images/generations "
+        "beside the text model, in the same worker (text steps first, denoising steps a "
+        "bounded share)", names=("--image-model-path", "--image-model"))] = None
+    max_image_size: Annotated[int, Flag(
+        "largest image width or height /v1/images/generations makes (400 beyond)")] = 2048
+
+
 class AdmissionLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_requests: Annotated[int, Flag(
         "requests waiting for their first token beyond which new ones get 429")] = 512
@@ -380,6 +389,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device_config: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
     speech_config: SpeechConfig = msgspec.field(default_factory=SpeechConfig)
     lora_config: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
+    pixel_config: PixelConfig = msgspec.field(default_factory=PixelConfig)
     speculative_config: Annotated[SpeculativeConfig, Flag(
         "vLLM's spelling of the speculative settings, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 5}' (method: ngram, suffix or draft_model; model: the "

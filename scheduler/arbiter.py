@@ -1,11 +1,12 @@
 """Which step the worker runs next: the arbiter owns the step sources of the worker's task
-(text and speech, or embeddings) and the steps sent to the worker, so the loop (process.py)
-only moves frames.
+(text with speech or images beside it, images alone, or embeddings) and the steps sent to the
+worker, so the loop (process.py) only moves frames.
 
 Text steps overlap: while the worker runs text step N, step N+1 is already built and queued
 behind it (scheduler.py says how), so the worker goes from one forward pass to the next
-without waiting for this process. Speech takes turns with text (fair_share.py), decided when
-the worker is free, so nothing is queued ahead while speech waits.
+without waiting for this process. Speech or image denoising takes turns with text
+(fair_share.py), decided when the worker is free, so nothing is queued ahead when their turn
+is due.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pipelines.config import PipelineConfig
 from pipelines.status import PipelineTask
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
-from scheduler.fair_share import FairShare
+from scheduler.fair_share import PIXEL_SHARE, FairShare
 from scheduler.pixel_queue import MAX_RUNNING, PixelQueue
 from scheduler.scheduler import Scheduler
 from scheduler.speech_queue import SpeechQueue
@@ -31,15 +32,19 @@ logger = logging.getLogger("loom.scheduler")
 
 class Arbiter:
     def __init__(self, text: TextSource, sources: list[StepSource],
-                 speech: SpeechQueue | None = None) -> None:
+                 speech: SpeechQueue | None = None, beside: StepSource | None = None,
+                 share: float | None = None) -> None:
         # The text source reports the scheduler's stats even where it serves nothing
         # (an embeddings worker's), so it exists for every task.
         self.text = text
         self.speech = speech
+        # What takes turns with text (speech or images), and its share of the worker.
+        self.beside = beside if beside is not None else speech
         self.sources = sources  # in the order they go first when nothing else decides
-        self.fair_share = FairShare()  # text and speech waiting together: half the worker each
+        self.fair_share = FairShare() if self.beside is None or share is None \
+            else FairShare(self.beside.kind, share)
         # Steps sent to the worker, oldest first: at most two text steps (one running, one
-        # queued behind it), or one embeddings or speech step.
+        # queued behind it), or one embeddings, speech or pixel step.
         self.inflight: deque[SentStep] = deque()
 
     @classmethod
@@ -51,8 +56,11 @@ class Arbiter:
             embeddings = EmbeddingBatcher(pipeline_config.max_embedding_batch_tokens,
                                           pipeline_config.max_batch_size)
             return cls(text, [embeddings])
+        pixels = PixelQueue(min(pipeline_config.max_batch_size, MAX_RUNNING))
         if ready.task is PipelineTask.PIXEL_GENERATION:
-            return cls(text, [PixelQueue(min(pipeline_config.max_batch_size, MAX_RUNNING))])
+            return cls(text, [pixels])
+        if pipeline_config.pixel_config.image_model_path is not None:  # images beside text
+            return cls(text, [text, pixels], beside=pixels, share=PIXEL_SHARE)
         if ready.voices:
             lm = text if ready.speech_task is PipelineTask.SPEECH_TOKEN_GENERATION else None
             speech = SpeechQueue(lm)
@@ -95,19 +103,23 @@ class Arbiter:
         return None
 
     def _turn_order(self) -> list[StepSource]:
-        """Speech or text next? Alone, either runs; together they split the worker's time
-        (and text that cannot run yet lets speech go)."""
-        if self.speech is None:
+        """Speech (or images) or text next? Alone, either runs; together they share the
+        worker's time (and text that cannot run yet lets the other go)."""
+        if self.beside is None:
             return self.sources
-        if self.fair_share.speech_next(self.text.has_work, self.speech.has_work):
-            return [self.speech]
+        if self._beside_due():
+            return [self.beside]
         return self.sources
 
+    def _beside_due(self) -> bool:
+        return self.fair_share.other_next(self.text.has_work, self.beside.has_work)
+
     def _may_queue_text_ahead(self) -> bool:
-        """Behind one running text step, unless speech waits (it takes turns with text,
-        decided when the worker is free)."""
+        """Behind one running text step, unless speech's or the images' turn is due (they
+        take turns with text, decided when the worker is free)."""
         return (len(self.inflight) == 1 and self.inflight[0].source is self.text
-                and not (self.speech is not None and self.speech.has_work))
+                and not (self.beside is not None and self.beside.has_work
+                         and self._beside_due()))
 
     def _sent(self, source: StepSource, message: Any, state: Any) -> Any:
         self.inflight.append(SentStep(source, message.step_id, state))

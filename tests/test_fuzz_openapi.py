@@ -25,7 +25,8 @@ def test_openapi_document_lists_every_route(server):
     assert doc["openapi"].startswith("3.")
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                  "/tokenize", "/detokenize", "/health", "/version", "/metrics",
-                 "/v1/embeddings", "/v1/audio/speech"):
+                 "/v1/embeddings", "/v1/audio/speech", "/v1/images/generations",
+                 "/v1/images/{image_id}/content"):
         assert path in doc["paths"], path
     schema = doc["components"]["schemas"]["CompletionRequest"]
     assert schema["properties"]["temperature"]["anyOf"][0]["maximum"] == 2.0

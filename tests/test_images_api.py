@@ -1,8 +1,9 @@
 """POST /v1/images/generations on a real server serving a tiny random FLUX directory
-(tests/tiny_flux.py, detected by its model_index.json): the official openai client's
-images.generate gets PNGs equal to diffusers' FluxPipeline on the same latents and schedule
-(to one 8-bit level: PNG is lossless, batching moves floats by < 1e-4), concurrent requests
-share steps and still get their own images, and hostile requests get 400s."""
+(tests/tiny_flux.py) beside a tiny text model, in one worker (`--image-model`): the official
+openai client's images.generate gets PNGs equal to diffusers' FluxPipeline on the same latents
+and schedule (to one 8-bit level: PNG is lossless, batching moves floats by < 1e-4),
+concurrent requests share steps and still get their own images, text generated while images
+are denoised is the text generated alone, and hostile requests get 400s."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ pytest.importorskip("diffusers")
 
 from tests.helpers import start_server  # noqa: E402
 
+MAX_IMAGE_SIZE = 512
+
 
 @pytest.fixture(scope="module")
 def flux_dir() -> str:
@@ -26,8 +29,11 @@ def flux_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(flux_dir):
-    srv = start_server(flux_dir, "--served-model-name", "tiny-flux")
+def server(flux_dir, untied_tiny_model_dir, tmp_path_factory):
+    named = tmp_path_factory.mktemp("images") / "tiny-flux"  # (its id: the directory's name)
+    named.symlink_to(flux_dir)
+    srv = start_server(untied_tiny_model_dir, "--served-model-name", "tiny",
+                       "--image-model", str(named), "--max-image-size", str(MAX_IMAGE_SIZE))
     yield srv
     srv.stop()
 
@@ -60,6 +66,48 @@ def expected(flux_dir):
         return to_uint8(pipe(prompt=prompt, height=height, width=width, num_images_per_prompt=n,
                              num_inference_steps=steps, latents=torch.from_numpy(ctx.latents),
                              output_type="np").images)
+    return run
+
+
+@pytest.fixture(scope="module")
+def expected_previews(flux_dir):
+    """The previews a request gets, from diffusers' FluxPipeline: the clean image each
+    previewed step predicted (x0 = x_t - sigma_t * v, v recovered from the pipeline's latents
+    before and after the step), decoded as the pipeline decodes its last latents."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from api_server.pixel_tokenizer import PixelGenerationRequest, PixelGenerationTokenizer
+    from worker.pixels.flux import to_uint8
+
+    pipe = FluxPipeline.from_pretrained(flux_dir)
+    pipe.set_progress_bar_config(disable=True)
+    tok = PixelGenerationTokenizer(flux_dir)
+
+    def run(prompt, size, seed, steps, after_steps):
+        height, width = size
+        ctx = tok.new_context(PixelGenerationRequest(
+            prompt=prompt, height=height, width=width, seed=seed, num_inference_steps=steps))
+        latents = [torch.from_numpy(ctx.latents)]
+
+        def keep(pipe, i, t, kwargs):
+            latents.append(kwargs["latents"].clone())
+            return kwargs
+
+        pipe(prompt=prompt, height=height, width=width, num_inference_steps=steps,
+             latents=latents[0], output_type="latent", callback_on_step_end=keep)
+        sigmas = torch.from_numpy(ctx.sigmas)
+        previews = []
+        for done in after_steps:
+            before, after = latents[done - 1], latents[done]
+            velocity = (after - before) / (sigmas[done] - sigmas[done - 1])
+            x0 = pipe._unpack_latents(before - sigmas[done - 1] * velocity, height, width,
+                                      pipe.vae_scale_factor)
+            x0 = x0 / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+            with torch.no_grad():
+                image = pipe.vae.decode(x0, return_dict=False)[0]
+            previews.append(to_uint8(pipe.image_processor.postprocess(image, "np"))[0])
+        return previews
     return run
 
 
@@ -96,6 +144,7 @@ def test_concurrent_requests_get_their_own_images(client, expected):
 @pytest.mark.parametrize("body,param", [
     ({"size": "1000x1000"}, "size"), ({"size": "0x16"}, "size"),
     ({"size": "99999x99999"}, "size"), ({"size": "16x16x"}, "size"),
+    ({"size": f"{MAX_IMAGE_SIZE + 16}x16"}, "size"),
     ({"n": 5}, "n"), ({"n": 0}, "n"), ({"num_inference_steps": 101}, "steps"),
     ({"response_format": "jpg"}, "response_format"),
     ({"response_format": "url", "stream": True}, "response_format"), ({"output_format": "gif"}, "output_format"),
@@ -114,15 +163,72 @@ def test_hostile_requests_get_400s(server, body, param):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_text_routes_point_to_the_images_api(server):
+def test_sizes_over_the_models_largest_are_named(server):
     import httpx
 
-    r = httpx.post(server.url + "/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
-    assert r.status_code == 400 and "/v1/images/generations" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/images/generations",
+                   json={"prompt": "sun", "size": f"16x{MAX_IMAGE_SIZE + 16}"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "image_too_large"
+    assert str(MAX_IMAGE_SIZE) in r.json()["error"]["message"]
 
 
-def test_openai_client_streams_partial_images_then_the_image(client, expected):
+def test_the_image_model_is_listed_and_documented(server):
+    import httpx
+
+    cards = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [(c["id"], c.get("task")) for c in cards][:2] == [("tiny", None), ("tiny-flux",
+                                                                            "image")]
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert "text/event-stream" in \
+        paths["/v1/images/generations"]["post"]["responses"]["200"]["content"]
+    assert "image/webp" in paths["/v1/images/{image_id}/content"]["get"]["responses"]["200"][
+        "content"]
+
+
+def test_text_while_images_are_denoised_is_the_text_alone(server, client):
+    """Text and image requests share the worker: greedy text generated while four image
+    requests take their steps is the text generated alone."""
+    import httpx
+
+    def complete() -> list[str]:
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": ["The sky over", "A small dog"], "max_tokens": 24,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in r.json()["choices"]]
+
+    alone = complete()
+
+    def generate(seed):
+        return client.images.generate(model="tiny-flux", prompt="green hills", size="64x64",
+                                      extra_body={"seed": seed, "num_inference_steps": 8})
+
+    with ThreadPoolExecutor(6) as pool:
+        images = [pool.submit(generate, seed) for seed in range(4)]
+        texts = [pool.submit(complete) for _ in range(2)]
+        assert [t.result() for t in texts] == [alone, alone]
+        assert all(len(i.result().data) == 1 for i in images)
+
+
+def test_a_pixel_model_directory_is_served_for_images():
+    """`loom serve --model DIR` with model_index.json serves images alone: the text routes
+    point to the Images API."""
+    import types
+
+    from api_server.cli import resolve_task
+    from api_server.protocol import RequestError
+    from api_server.serving_context import ServingContext
+    from pipelines.status import PipelineTask
+    from tests.tiny_flux import cached_tiny_flux
+
+    assert resolve_task(None, cached_tiny_flux()) is PipelineTask.PIXEL_GENERATION
+    serving = types.SimpleNamespace(task=PipelineTask.PIXEL_GENERATION, model_name="tiny-flux")
+    with pytest.raises(RequestError, match="/v1/images/generations"):
+        ServingContext.check_generates(serving)
+
+
+def test_openai_client_streams_partial_images_then_the_image(client, expected,
+                                                              expected_previews):
     stream = client.images.generate(model="tiny-flux", prompt="a red cat", size="32x32",
                                     stream=True, partial_images=2,
                                     extra_body={"seed": 9, "num_inference_steps": 6})
@@ -133,7 +239,10 @@ def test_openai_client_streams_partial_images_then_the_image(client, expected):
     final = pixels(events[-1].b64_json)
     assert np.abs(final.astype(int) - expected("a red cat", (32, 32), 1, 9, 6)[0]).max() <= 1
     assert events[-1].usage.input_tokens == 4
-    # Previews are the noisier latents of earlier steps: not the final image.
+    # Previews (after steps 2 and 4 of 6) are the clean images those steps predicted.
+    previews = expected_previews("a red cat", (32, 32), 9, 6, after_steps=(2, 4))
+    for event, preview in zip(events[:2], previews):
+        assert np.abs(pixels(event.b64_json).astype(int) - preview).max() <= 2
     assert np.abs(pixels(events[0].b64_json).astype(int) - final).max() > 1
 
 

@@ -47,13 +47,13 @@ def make_arbiter(max_batch_size: int = 8) -> Arbiter:
 
 def run_one_step(arbiter: Arbiter, runner) -> tuple[PixelStep, ResponseBatch] | None:
     """A step from the arbiter to the worker and its result back, both on the wire."""
-    from worker.process import answer_step
+    from worker.process import SideModels, answer_step
 
     msg = arbiter.next_step()
     if msg is None:
         return None
     msg = msgpack_numpy_decoder(StepMessage)(encode(msg))
-    result = answer_step(runner, None, msg, started=0.0)
+    result = answer_step(runner, SideModels(pixels=runner), msg, started=0.0)
     return msg, arbiter.after_step(msgpack_numpy_decoder(ResultMessage)(encode(result)))
 
 
@@ -121,3 +121,45 @@ def test_failed_step_ends_its_requests_with_an_error(flux):
     arbiter.add(request(tok, 6, 1))
     step, batch = run_one_step(arbiter, runner)  # the worker forgets the failed one
     assert step.released == ["r5"] and batch.images[0].is_done and not runner.requests
+
+
+def test_text_steps_go_on_between_denoising_steps(flux):
+    """Images beside text (--image-model): while both wait, denoising steps get a quarter of
+    the worker's time (PIXEL_SHARE), so text decode steps run back to back between them (one
+    queued ahead of the other) and a denoising step goes when its turn is due."""
+    from scheduler.fair_share import PIXEL_SHARE
+    from serialization.messages import StepResult
+    from tests.test_scheduler import ctx
+
+    tok, runner = flux
+    ready = WorkerReady(num_blocks=64, block_size=4, max_model_len=256, eos_token_ids=[2])
+    arbiter = Arbiter.for_worker(PipelineConfig().replace(
+        max_length=256, image_model_path="flux"), ready, BlockManager(64, 4, False))
+    arbiter.add(ctx(3, 200, rid="t"))
+    arbiter.add(request(tok, 7, 50))
+    from collections import deque
+
+    from worker.process import SideModels, answer_step
+
+    clock, kinds, busy, sent = 0.0, [], {"text": 0.0, "pixels": 0.0}, deque()
+    for _ in range(60):
+        while (msg := arbiter.next_step()) is not None:  # what the loop sends
+            sent.append(msg)
+        msg = sent.popleft()  # the worker runs the oldest
+        if isinstance(msg, PixelStep):
+            kind, took = "pixels", 0.06  # a denoising step: six text steps
+            msg = msgpack_numpy_decoder(StepMessage)(encode(msg))
+            result = answer_step(runner, SideModels(pixels=runner), msg, started=0.0)
+        else:
+            kind, took = "text", 0.01
+            result = StepResult(step_id=msg.step_id,
+                                sampled_token_ids=np.where(msg.sample, 7, -1).astype(np.int32))
+        result.started_at, result.finished_at = clock, clock + took
+        clock += took
+        kinds.append(kind)
+        busy[kind] += took
+        arbiter.after_step(result)
+    assert kinds.count("pixels") >= 3
+    assert abs(busy["pixels"] / clock - PIXEL_SHARE) < 0.1
+    # Between two denoising steps, text steps back to back.
+    assert "pixels, pixels" not in ", ".join(kinds)

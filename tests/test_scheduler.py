@@ -146,16 +146,23 @@ def test_fair_share_splits_the_worker_between_text_and_speech():
     from scheduler.fair_share import FairShare
 
     share = FairShare()
-    assert share.speech_next(text_waiting=False, speech_waiting=True)
-    assert not share.speech_next(text_waiting=True, speech_waiting=False)
+    assert share.other_next(text_waiting=False, other_waiting=True)
+    assert not share.other_next(text_waiting=True, other_waiting=False)
     turns = []
     for _ in range(12):  # both waiting: text steps of 10 ms, speech chunks of 30 ms
-        speech = share.speech_next(True, True)
+        speech = share.other_next(True, True)
         share.record("speech" if speech else "text", 0.03 if speech else 0.01)
         turns.append(speech)
     assert turns.count(False) == 3 * turns.count(True)  # equal time, not equal turns
-    share.speech_next(False, True)  # text done: the account starts again
+    share.other_next(False, True)  # text done: the account starts again
     assert share.busy == {"text": 0.0, "speech": 0.0}
+    pixels = FairShare("pixels", share=0.25)  # images: a quarter of the worker
+    turns = []
+    for _ in range(20):  # text steps of 1 unit, denoising steps of 6
+        image = pixels.other_next(True, True)
+        pixels.record("pixels" if image else "text", 6.0 if image else 1.0)
+        turns.append(image)
+    assert turns == [True] + [False] * 18 + [True]  # 3 x 6 units of text per denoising step
 
 
 def test_arbiter_queues_a_text_step_ahead_unless_speech_waits():

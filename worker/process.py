@@ -7,6 +7,8 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -43,6 +45,15 @@ STARTUP_PREFAULT_SECONDS = 0.3  # of KV cache page faults before the worker repo
 IDLE_MS = 20  # without a step for this long, the worker counts as idle
 
 
+@dataclass
+class SideModels:
+    """What runs the steps that are not the main model's: a voice (speech steps) beside a text
+    model, and a FLUX pipeline (pixel steps) beside one or alone."""
+
+    speech: Any = None
+    pixels: Any = None
+
+
 def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_level: str,
                placement: CpuPlacement | None = None, rank: int = 0) -> None:
     """Entry point of a worker process (spawned by `loom serve`): rank `rank` of
@@ -54,7 +65,7 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
     try:
         _join_ranks(cfg, endpoints, rank)
         runner = _load_runner(cfg, rank)
-        speech = _load_speech(cfg, rank)
+        side = SideModels(speech=_load_speech(cfg, rank), pixels=_load_pixels(cfg, rank, runner))
     except Exception as exc:
         _exit_failed(results, exc, rank, cfg.device_config.tensor_parallel_size)
     if rank == 0:
@@ -67,10 +78,10 @@ def run_worker(cfg: PipelineConfig, endpoints: Endpoints, num_threads: int, log_
 
         barrier()  # every rank loaded: ready to run steps together
     if rank == 0:
-        ready = _ready_message(runner, cfg.model_config.task, speech)
+        ready = _ready_message(runner, cfg.model_config.task, side.speech)
         results.send(msgpack_numpy_encoder()(ready))
     _serve_steps(steps, results if rank == 0 else None,
-                 _generator(runner, cfg.model_config.task), speech,
+                 _generator(runner, cfg.model_config.task), side,
                  _deferred_start_up(runner, faulting))
     zctx.destroy(linger=0)
 
@@ -146,6 +157,20 @@ def _load_speech(cfg: PipelineConfig, rank: int):
         return SpeechRunner(noise=cfg.speech_config.speech_noise)
 
 
+def _load_pixels(cfg: PipelineConfig, rank: int, runner):
+    """The FLUX pipeline: the worker's model, or one beside a text model (rank 0's alone)."""
+    if cfg.model_config.task is PipelineTask.PIXEL_GENERATION:
+        return runner
+    path = cfg.pixel_config.image_model_path
+    if path is None or rank != 0:
+        return None
+    from worker.device import rank_device, resolve_dtype
+    from worker.pixels.flux import FluxRunner
+
+    device = rank_device(cfg.devices, rank)
+    return FluxRunner(path, device, resolve_dtype(None, device))
+
+
 def _warm_up(runner):
     """The first KV cache page faults (the blocks the first requests get; at most
     STARTUP_PREFAULT_SECONDS of them), then the start-up heap frozen. Returns the faults left
@@ -165,7 +190,7 @@ def _warm_up(runner):
     return faulting
 
 
-def _serve_steps(steps, results, generator, speech, idle_tasks) -> None:
+def _serve_steps(steps, results, generator, side: SideModels, idle_tasks) -> None:
     """Run each step received until Shutdown, answering on `results` (rank 0's; other ranks
     run the text steps with it and answer nothing). Idle for a while, the worker does what
     start-up left for later, a short call at a time, until a step comes. (Not at once: a
@@ -186,16 +211,16 @@ def _serve_steps(steps, results, generator, speech, idle_tasks) -> None:
         if isinstance(msg, Shutdown):
             return
         if results is not None:
-            results.send(encode(answer_step(generator, speech, msg, started)))
-        elif isinstance(msg, StepBatch):  # (speech runs on rank 0 alone)
-            answer_step(generator, speech, msg, started)
+            results.send(encode(answer_step(generator, side, msg, started)))
+        elif isinstance(msg, StepBatch):  # (speech and pixels run on rank 0 alone)
+            answer_step(generator, side, msg, started)
 
 
-def answer_step(runner, speech, msg, started: float):
+def answer_step(runner, side: SideModels | None, msg, started: float):
     """The result of one step. A step that raises (a bad step the runner refuses included) is
     answered with an error result for its requests, and the worker goes on to the next."""
     try:
-        result = STEP_HANDLERS[type(msg)](runner, speech, msg)
+        result = STEP_HANDLERS[type(msg)](runner, side or SideModels(), msg)
     except Exception as exc:
         logger.error("step %d failed:\n%s", msg.step_id, traceback.format_exc())
         result = _failed(msg, f"{type(exc).__name__}: {exc}")
@@ -268,7 +293,7 @@ def _ready_message(runner, task: PipelineTask, speech) -> WorkerReady:
     return ready
 
 
-def _text_step(pipeline, speech, msg: StepBatch) -> StepResult:
+def _text_step(pipeline, side: SideModels, msg: StepBatch) -> StepResult:
     """The step's contexts run through `TextGenerationPipeline.next_token` (each updated
     with its token); the packed result is what goes back to the scheduler."""
     steps, runner = pipeline.steps, pipeline.runner
@@ -283,7 +308,7 @@ def _text_step(pipeline, speech, msg: StepBatch) -> StepResult:
     return pipeline.last_result
 
 
-def _embed_step(runner, speech, msg: EmbedStep) -> EmbedResult:
+def _embed_step(runner, side: SideModels, msg: EmbedStep) -> EmbedResult:
     """The step's inputs as contexts through `EmbeddingsGenerator.encode`, packed back."""
     import numpy as np
 
@@ -299,21 +324,23 @@ def _embed_step(runner, speech, msg: EmbedStep) -> EmbedResult:
                        embeddings=np.stack([responses[rid].embeddings for rid in batch]))
 
 
-def _audio_step(runner, speech, msg: AudioStep) -> AudioResult:
-    if speech is None:
+def _audio_step(runner, side: SideModels, msg: AudioStep) -> AudioResult:
+    if side.speech is None:
         raise RuntimeError("this worker serves no voice")
     from worker.speech_runner import run_audio_step
 
-    return run_audio_step(speech, msg)
+    return run_audio_step(side.speech, msg)
 
 
-def _pixel_step(runner, speech, msg: PixelStep) -> PixelResult:
+def _pixel_step(runner, side: SideModels, msg: PixelStep) -> PixelResult:
+    if side.pixels is None:
+        raise RuntimeError("this worker serves no image model")
     from worker.pixels.step import run_pixel_step
 
-    return run_pixel_step(runner, msg)
+    return run_pixel_step(side.pixels, msg)
 
 
-# Each step type the scheduler sends, and what runs it: (runner, speech runner, step) -> result.
+# Each step type the scheduler sends, and what runs it: (runner, side models, step) -> result.
 STEP_HANDLERS = {StepBatch: _text_step, EmbedStep: _embed_step, AudioStep: _audio_step,
                  PixelStep: _pixel_step}
 

@@ -35,6 +35,9 @@ class _Request:
     sigmas: torch.Tensor  # float32 [steps + 1]
     timesteps: torch.Tensor  # float32 [steps]
     step: int = 0
+    # The image the last step predicted (flow matching: x0 = x_t - sigma_t * v), what a
+    # preview shows: the noisy x_t of an early step decodes to mostly noise.
+    predicted: torch.Tensor | None = None
 
 
 class FluxRunner:
@@ -138,19 +141,23 @@ class FluxRunner:
                 pred = neg + r.ctx.true_cfg_scale * (pred - neg)
             start += n
             dt = r.sigmas[r.step + 1] - r.sigmas[r.step]
-            r.latents = (r.latents.to(torch.float32) + dt * pred).to(pred.dtype)
+            latents = r.latents.to(torch.float32)
+            r.predicted = (latents - r.sigmas[r.step] * pred).to(pred.dtype)
+            r.latents = (latents + dt * pred).to(pred.dtype)
             r.step += 1
 
     # ---- pixels -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, request_id: str) -> np.ndarray:
-        """The request's images as float32 [n, H, W, 3] in [0, 1] (its latents at any step)."""
+    def decode(self, request_id: str, predicted: bool = False) -> np.ndarray:
+        """The request's images as float32 [n, H, W, 3] in [0, 1]: its latents at any step,
+        or (`predicted`) the clean image its last step predicted."""
         r = self.requests[request_id]
+        latents = r.predicted if predicted else r.latents
         h, w = r.ctx.height, r.ctx.width
         lh = 2 * (h // (self.vae_scale_factor * 2))
         lw = 2 * (w // (self.vae_scale_factor * 2))
-        n, _, c = r.latents.shape
-        x = r.latents.view(n, lh // 2, lw // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        n, _, c = latents.shape
+        x = latents.view(n, lh // 2, lw // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         x = x.reshape(n, c // 4, lh, lw)
         cfg = self.vae.config
         x = x / cfg.scaling_factor + cfg.shift_factor

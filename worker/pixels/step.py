@@ -11,7 +11,8 @@ from worker.pixels.flux import FluxRunner, to_uint8
 
 def preview_steps(ctx) -> set[int]:
     """The steps after which a request asking for `partial_images` previews gets one: spread
-    evenly, before the last step."""
+    evenly, before the last step. A preview is the clean image that step predicted (x0), not
+    its noisy latents."""
     wanted = ctx.extra_params.get("partial_images")
     k = int(wanted.reshape(-1)[0]) if wanted is not None and wanted.size else 0
     total = ctx.num_inference_steps
@@ -33,6 +34,6 @@ def run_pixel_step(runner: FluxRunner, msg: PixelStep) -> PixelResult:
             out.final_status = GenerationStatus.END_OF_SEQUENCE
             runner.release(rid)
         elif done in preview_steps(runner.requests[rid].ctx):
-            out.images = to_uint8(runner.decode(rid))
+            out.images = to_uint8(runner.decode(rid, predicted=True))
         outputs.append(out)
     return PixelResult(step_id=msg.step_id, outputs=outputs)
