@@ -57,7 +57,11 @@ def cached_tiny_flux(guidance_embeds: bool = False) -> str:
     return path
 
 
-def make_tiny_flux(out_dir: str, guidance_embeds: bool = False, seed: int = 0) -> str:
+def make_tiny_flux(out_dir: str, guidance_embeds: bool = False, seed: int = 0,
+                   **transformer_shape) -> str:
+    """`transformer_shape`: FluxTransformer2DModel settings replacing the tiny ones (bench/
+    images.py builds a FLUX-shaped model of a chosen step time); the VAE's latent channels
+    follow its in_channels."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -78,12 +82,14 @@ def make_tiny_flux(out_dir: str, guidance_embeds: bool = False, seed: int = 0) -
     t5 = T5EncoderModel(T5Config(
         vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=3))
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        guidance_embeds=guidance_embeds, axes_dims_rope=(2, 2, 4))
+    shape = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                 attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                 pooled_projection_dim=32, guidance_embeds=guidance_embeds,
+                 axes_dims_rope=(2, 2, 4))
+    shape.update(transformer_shape)
+    transformer = FluxTransformer2DModel(**shape)
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32, 32),
+        in_channels=3, out_channels=3, latent_channels=shape["in_channels"] // 4, block_out_channels=(16, 32, 32),
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
         layers_per_block=1, norm_num_groups=8, sample_size=32, scaling_factor=0.3611,
         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
