@@ -19,7 +19,7 @@ from pipelines.config import PipelineConfig
 from pipelines.status import PipelineTask
 from scheduler.block_manager import BlockManager
 from scheduler.embedding_batcher import EmbeddingBatcher
-from scheduler.fair_share import PIXEL_SHARE, FairShare
+from scheduler.fair_share import FairShare
 from scheduler.pixel_queue import MAX_RUNNING, PixelQueue
 from scheduler.scheduler import Scheduler
 from scheduler.speech_queue import SpeechQueue
@@ -32,17 +32,15 @@ logger = logging.getLogger("loom.scheduler")
 
 class Arbiter:
     def __init__(self, text: TextSource, sources: list[StepSource],
-                 speech: SpeechQueue | None = None, beside: StepSource | None = None,
-                 share: float | None = None) -> None:
+                 speech: SpeechQueue | None = None, pixels: PixelQueue | None = None) -> None:
         # The text source reports the scheduler's stats even where it serves nothing
         # (an embeddings worker's), so it exists for every task.
         self.text = text
         self.speech = speech
-        # What takes turns with text (speech or images), and its share of the worker.
-        self.beside = beside if beside is not None else speech
+        # What takes turns with text, each with its share of the worker (fair_share.py).
+        self.beside = [s for s in (speech, pixels) if s is not None]
         self.sources = sources  # in the order they go first when nothing else decides
-        self.fair_share = FairShare() if self.beside is None or share is None \
-            else FairShare(self.beside.kind, share)
+        self.fair_share = FairShare()
         # Steps sent to the worker, oldest first: at most two text steps (one running, one
         # queued behind it), or one embeddings, speech or pixel step.
         self.inflight: deque[SentStep] = deque()
@@ -59,13 +57,13 @@ class Arbiter:
         pixels = PixelQueue(min(pipeline_config.max_batch_size, MAX_RUNNING))
         if ready.task is PipelineTask.PIXEL_GENERATION:
             return cls(text, [pixels])
-        if pipeline_config.pixel_config.image_model_path is not None:  # images beside text
-            return cls(text, [text, pixels], beside=pixels, share=PIXEL_SHARE)
+        if pipeline_config.pixel_config.image_model_path is None:  # (no images beside text)
+            pixels = None
+        speech = None
         if ready.voices:
             lm = text if ready.speech_task is PipelineTask.SPEECH_TOKEN_GENERATION else None
             speech = SpeechQueue(lm)
-            return cls(text, [text, speech], speech)
-        return cls(text, [text])
+        return cls(text, [s for s in (text, speech, pixels) if s is not None], speech, pixels)
 
     @property
     def busy(self) -> bool:
@@ -103,23 +101,24 @@ class Arbiter:
         return None
 
     def _turn_order(self) -> list[StepSource]:
-        """Speech (or images) or text next? Alone, either runs; together they share the
-        worker's time (and text that cannot run yet lets the other go)."""
-        if self.beside is None:
-            return self.sources
-        if self._beside_due():
-            return [self.beside]
-        return self.sources
+        """Text, speech or images next? Alone, each runs; together they share the worker's
+        time (and text that cannot run yet lets the others go)."""
+        due = self._due_beside()
+        return [due] if due is not None else self.sources
 
-    def _beside_due(self) -> bool:
-        return self.fair_share.other_next(self.text.has_work, self.beside.has_work)
+    def _due_beside(self) -> StepSource | None:
+        """The speech or image source whose turn it is, or None: text's."""
+        if not self.beside:
+            return None
+        waiting = [s for s in self.beside if s.has_work]
+        kind = self.fair_share.next_kind(self.text.has_work, [s.kind for s in waiting])
+        return next((s for s in waiting if s.kind == kind), None)
 
     def _may_queue_text_ahead(self) -> bool:
         """Behind one running text step, unless speech's or the images' turn is due (they
         take turns with text, decided when the worker is free)."""
         return (len(self.inflight) == 1 and self.inflight[0].source is self.text
-                and not (self.beside is not None and self.beside.has_work
-                         and self._beside_due()))
+                and self._due_beside() is None)
 
     def _sent(self, source: StepSource, message: Any, state: Any) -> Any:
         self.inflight.append(SentStep(source, message.step_id, state))

@@ -142,27 +142,36 @@ def test_prefix_cache_hit_skips_computed_blocks():
     assert s.blocks.prefix_hits == 12
 
 
-def test_fair_share_splits_the_worker_between_text_and_speech():
+def test_fair_share_splits_the_worker_between_text_and_the_rest():
     from scheduler.fair_share import FairShare
 
     share = FairShare()
-    assert share.other_next(text_waiting=False, other_waiting=True)
-    assert not share.other_next(text_waiting=True, other_waiting=False)
+    assert share.next_kind(text_waiting=False, waiting=["speech"]) == "speech"
+    assert share.next_kind(text_waiting=True, waiting=[]) is None
     turns = []
     for _ in range(12):  # both waiting: text steps of 10 ms, speech chunks of 30 ms
-        speech = share.other_next(True, True)
-        share.record("speech" if speech else "text", 0.03 if speech else 0.01)
-        turns.append(speech)
-    assert turns.count(False) == 3 * turns.count(True)  # equal time, not equal turns
-    share.other_next(False, True)  # text done: the account starts again
-    assert share.busy == {"text": 0.0, "speech": 0.0}
-    pixels = FairShare("pixels", share=0.25)  # images: a quarter of the worker
+        kind = share.next_kind(True, ["speech"]) or "text"
+        share.record(kind, 0.03 if kind == "speech" else 0.01)
+        turns.append(kind)
+    assert turns.count("text") == 3 * turns.count("speech")  # equal time, not equal turns
+    share.next_kind(False, ["speech"])  # text done: the account starts again
+    assert share.busy == {"text": 0.0, "speech": 0.0, "pixels": 0.0}
     turns = []
-    for _ in range(20):  # text steps of 1 unit, denoising steps of 6
-        image = pixels.other_next(True, True)
-        pixels.record("pixels" if image else "text", 6.0 if image else 1.0)
-        turns.append(image)
-    assert turns == [True] + [False] * 18 + [True]  # 3 x 6 units of text per denoising step
+    for _ in range(20):  # images: a quarter; text steps of 1 unit, denoising steps of 6
+        kind = share.next_kind(True, ["pixels"]) or "text"
+        share.record(kind, 6.0 if kind == "pixels" else 1.0)
+        turns.append(kind)
+    assert turns == ["pixels"] + ["text"] * 18 + ["pixels"]  # 3 x 6 units of text each
+    # All three waiting: speech and images each get their share (speech first when both due).
+    share = FairShare()
+    turns = []
+    for _ in range(24):
+        kind = share.next_kind(True, ["speech", "pixels"]) or "text"
+        share.record(kind, {"text": 1.0, "speech": 1.0, "pixels": 6.0}[kind])
+        turns.append(kind)
+    assert turns[:3] == ["speech", "pixels", "text"]
+    assert 0.2 < 6 * turns.count("pixels") / sum(
+        {"text": 1.0, "speech": 1.0, "pixels": 6.0}[k] for k in turns) < 0.5
 
 
 def test_arbiter_queues_a_text_step_ahead_unless_speech_waits():
