@@ -125,9 +125,9 @@ def test_failed_step_ends_its_requests_with_an_error(flux):
 
 def test_text_steps_go_on_between_denoising_steps(flux):
     """Images beside text (--image-model): while both wait, denoising steps get a quarter of
-    the worker's time (PIXEL_SHARE), so text decode steps run back to back between them (one
+    the worker's time (fair_share.py's SHARES), so text decode steps run back to back between them (one
     queued ahead of the other) and a denoising step goes when its turn is due."""
-    from scheduler.fair_share import PIXEL_SHARE
+    from scheduler.fair_share import SHARES
     from serialization.messages import StepResult
     from tests.test_scheduler import ctx
 
@@ -160,6 +160,6 @@ def test_text_steps_go_on_between_denoising_steps(flux):
         busy[kind] += took
         arbiter.after_step(result)
     assert kinds.count("pixels") >= 3
-    assert abs(busy["pixels"] / clock - PIXEL_SHARE) < 0.1
+    assert abs(busy["pixels"] / clock - SHARES["pixels"]) < 0.1
     # Between two denoising steps, text steps back to back.
     assert "pixels, pixels" not in ", ".join(kinds)
