@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from tests.helpers import start_server
-from tests.tiny_idefics3 import make_tiny_idefics3
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -36,9 +35,8 @@ HOSTILE = "<img src=x onerror=window.pwned=1> [click](javascript:window.pwned=2)
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    vlm = make_tiny_idefics3(str(tmp_path_factory.mktemp("web-chat-vlm")), smollm2_dir)
-    srv = start_server(vlm, "--served-model-name", "vlm", speech=True)
+def server(idefics3_dir):
+    srv = start_server(idefics3_dir, "--served-model-name", "vlm", speech=True)
     yield srv
     assert srv.stop() == 0
 
