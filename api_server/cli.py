@@ -199,7 +199,7 @@ def check_sampling_defaults(defaults: SamplingParamsDefaults) -> None:
 
 
 def check_tensor_parallel(size: int, task: PipelineTask) -> None:
-    """What the CLI can tell before a worker loads (the model's head count is the worker's)."""
+    """What the CLI can tell before it reads the model (resolve_model checks its heads)."""
     if size < 1:
         raise StartupError("--tensor-parallel-size must be positive")
     if size == 1:
@@ -329,6 +329,7 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
     from pipelines.checkpoint.gguf_tokenizer import gguf_tokenizer_dir, is_gguf
     from pipelines.checkpoint.model_config import (
         UnsupportedModelError,
+        check_tensor_parallel_size,
         load_model_config,
         resolve_max_model_len,
     )
@@ -340,7 +341,9 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
         if model.task is PipelineTask.EMBEDDINGS_GENERATION:
             raise StartupError(f"--model {path}: a GGUF file serves --task generate")
         try:  # the header first: a broken file is named as such, not by the tokenizer
-            max_length = resolve_max_model_len(load_model_config(path), model.max_length)
+            config = load_model_config(path)
+            check_tensor_parallel_size(config, cfg.device_config.tensor_parallel_size)
+            max_length = resolve_max_model_len(config, model.max_length)
             tokenizer = gguf_tokenizer_dir(path)
         except ValueError as exc:  # GGUFError included: one line naming the file
             raise StartupError(str(exc)) from None
@@ -359,6 +362,8 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
                 max_length = BertConfig.from_dir(path).max_seq_length
             else:
                 config = load_model_config(path, any_architecture=bool(cfg.custom_architectures))
+                # (here, not once the worker loads: before any process starts)
+                check_tensor_parallel_size(config, cfg.device_config.tensor_parallel_size)
                 max_length = resolve_max_model_len(config, model.max_length)
         except (FileNotFoundError, UnsupportedModelError, ValueError, KeyError) as exc:
             raise StartupError(f"--model {path}: {exc}") from None

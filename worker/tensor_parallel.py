@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pipelines.checkpoint.gguf_file import GGUFTensor
-from pipelines.checkpoint.model_config import ModelConfig
+from pipelines.checkpoint.model_config import ModelConfig, check_tensor_parallel_size
 from worker import shm_allreduce
 from worker.shm_allreduce import SharedMemoryAllReduce
 
@@ -63,10 +63,8 @@ class ShardPlan:
 
     @classmethod
     def for_rank(cls, config: ModelConfig, rank: int, size: int) -> "ShardPlan":
+        check_tensor_parallel_size(config, size)
         kv = config.num_key_value_heads
-        if not 1 <= size <= kv:
-            raise ValueError(f"--tensor-parallel-size {size} must be between 1 and the "
-                             f"model's {kv} key/value heads (each rank holds at least one)")
         group = config.num_attention_heads // kv
         kv_heads = even_share(kv, size, rank)
         return cls(rank, size, kv_heads,

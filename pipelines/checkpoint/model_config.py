@@ -118,6 +118,14 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
 
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """A split gives each rank at least one key/value head (its share of the KV cache)."""
+    kv = config.num_key_value_heads
+    if not 1 <= size <= kv:
+        raise ValueError(f"--tensor-parallel-size {size} must be between 1 and the "
+                         f"model's {kv} key/value heads (each rank holds at least one)")
+
+
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
     limit = config.max_position_embeddings
     # The Llama family attends over the full context: stay inside the window. (Gemma 3's
