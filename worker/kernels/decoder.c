@@ -58,6 +58,40 @@ typedef struct {
     float eps, scale;
 } ModelDims;
 
+/* LOOM_DECODE_PROFILE (a build of its own: bench/decode_breakdown.py) adds up the first
+ * thread's CPU time in each part of a layer, each part ending at the team's barrier (so with
+ * more threads a part's time includes the wait for the slowest). */
+#if defined(LOOM_DECODE_PROFILE)
+#include <time.h>
+enum { PART_NORM, PART_QKV, PART_ROPE_KV, PART_ATTENTION, PART_O, PART_POST_ATTN_NORM,
+       PART_GATE_UP, PART_ACT, PART_DOWN, PART_COUNT };
+static double profile_seconds[PART_COUNT], profile_last;
+static double cpu_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+#define PROFILE_START() _Pragma("omp master") profile_last = cpu_now()
+#define PROFILE_MARK(part)                                                                  \
+    _Pragma("omp master") {                                                                 \
+        const double now_ = cpu_now();                                                      \
+        profile_seconds[part] += now_ - profile_last;                                       \
+        profile_last = now_;                                                                \
+    }
+/* The seconds of each part since the last call (PART_COUNT of them, in the enum's order),
+ * then zeroed. Returns PART_COUNT. */
+int loom_decode_profile(double *out) {
+    for (int i = 0; i < PART_COUNT; i++) {
+        out[i] = profile_seconds[i];
+        profile_seconds[i] = 0.0;
+    }
+    return PART_COUNT;
+}
+#else
+#define PROFILE_START()
+#define PROFILE_MARK(part)
+#endif
+
 /* x = rmsnorm(x) * w for one row, through `tmp` (norm_row's arguments must not alias). */
 static void norm_in_place(float *x, const float *w, float *tmp, int dim, float eps) {
     norm_row(x, w, tmp, dim, eps);
@@ -143,6 +177,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
 #pragma omp parallel
     {
         const int threads = omp_get_num_threads();
+        PROFILE_START();
         for (int i = 0; i < num_layers; i++) {
             const LayerWeights *L = &layers[i];
 #pragma omp for schedule(static)
@@ -157,8 +192,10 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                       d->eps);
                 }
             }
+            PROFILE_MARK(PART_NORM);
             linear(&L->qkv, h, hidden, qkv, qkv_width, T, qkv_width, hidden, mem, threads,
                    &failed);
+            PROFILE_MARK(PART_QKV);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 float *row = qkv + (int64_t)t * qkv_width;
@@ -181,6 +218,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                        slots + t);
                 memcpy(q + (int64_t)t * q_size, row, sizeof(float) * q_size);
             }
+            PROFILE_MARK(PART_ROPE_KV);
             if (bf16)
                 paged_decode_attention_bf16_team(q, L->k_cache, L->v_cache, block_tables,
                                                  seq_lens, attn, T, d->heads, d->kv_heads,
@@ -191,7 +229,9 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                                 seq_lens, attn, T, d->heads, d->kv_heads,
                                                 head_dim, d->block_size, max_blocks,
                                                 L->window, d->scale, threads, &failed);
+            PROFILE_MARK(PART_ATTENTION);
             linear(&L->o, attn, q_size, x, hidden, T, hidden, q_size, mem, threads, &failed);
+            PROFILE_MARK(PART_O);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 float *xt = x + (int64_t)t * hidden, *ht = h + (int64_t)t * hidden;
@@ -203,8 +243,10 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                 loom_add_rms_norm(residual + (int64_t)t * hidden, delta, L->mlp_norm, ht, 1,
                                   hidden, d->eps);
             }
+            PROFILE_MARK(PART_POST_ATTN_NORM);
             linear(&L->gate_up, h, hidden, gate_up, 2 * inter, T, 2 * inter, hidden, mem,
                    threads, &failed);
+            PROFILE_MARK(PART_GATE_UP);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 if (d->act == ACT_GELU_TANH)
@@ -214,6 +256,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                     loom_silu_mul(gate_up + (int64_t)t * 2 * inter, act + (int64_t)t * inter, 1,
                                   inter);
             }
+            PROFILE_MARK(PART_ACT);
             linear(&L->down, act, inter, x, hidden, T, hidden, inter, mem, threads, &failed);
             if (L->mlp_out_norm) {
 #pragma omp for schedule(static)
@@ -221,6 +264,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                     norm_in_place(x + (int64_t)t * hidden, L->mlp_out_norm,
                                   h + (int64_t)t * hidden, hidden, d->eps);
             }
+            PROFILE_MARK(PART_DOWN);
         }
     }
 done:
