@@ -214,7 +214,8 @@ def test_other_machines_code_paths(defines):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
-                                   QuantType.Q8_0, QuantType.Q4_K, QuantType.Q6_K],
+                                   QuantType.Q8_0, QuantType.Q4_K, QuantType.Q5_K,
+                                   QuantType.Q6_K],
                          ids=lambda q: q.name)
 def test_rows_interleaved_by_8_give_the_gguf_layouts_numbers(qtype):
     # On AVX2 these formats are stored 8 rows interleaved (quant_linear.c's QL_X8) when the

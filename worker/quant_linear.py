@@ -19,11 +19,10 @@ needs one row's numbers not to depend on the batch size keeps all its calls on o
 dequantizes a tile of weight rows at a time and multiplies in float32 (exact, slower).
 
 Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, with the weight as GGUF stores it:
-[out_features] rows of blocks covering in_features. On AVX2 builds Q4_0, Q4_1, Q5_0, Q8_0,
-Q4_K and Q6_K rows are rearranged at load into groups of 8 interleaved block by block (the same
-bytes; ~1.35x faster at one row, ~2x at 4-64: docs/performance.md; Q5_0 and Q4_K, most of
-Gemma 3 270M's layers, 2-3x at one row, Q6_K 1.6x; ~2x at 16), which only the native kernel
-reads.
+[out_features] rows of blocks covering in_features. On AVX2 builds every format but Q5_1
+has its rows rearranged at load into groups of 8 interleaved block by block (the same bytes;
+~1.35x faster at one row, ~2x at 4-64: docs/performance.md; Q5_0 and Q4_K, most of Gemma 3
+270M's layers, 2-3x at one row, Q6_K 1.6x; ~2x at 16), which only the native kernel reads.
 """
 
 from __future__ import annotations

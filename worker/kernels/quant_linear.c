@@ -913,7 +913,7 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
     }
 }
 
-/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) --------------
+/* -- eight weight rows interleaved (AVX2: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) --------
  *
  * In the GGUF layout a weight row's blocks follow each other, so a tile multiplies a block
  * with its activations into a vector of partial sums and must add the vector's lanes up at
@@ -927,6 +927,9 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
  *     Q4_K (a super-block of 256):
  *                  [d x 8][dmin x 8][12 x (scale byte k x 8 rows)][32 x (4 quant bytes x 8 rows)]
  *                                                                   1152 bytes
+ *     Q5_K:        Q4_K's 1152, then [8 x (4 fifth-bit bytes x 8 rows)]    1408 bytes
+ *                  (fifth-bit byte i holds bit j for weight i of sub-block j: the word of
+ *                  each row that its quant word k needs is its k-th)
  *     Q6_K:        [d x 8][16 x (scale k x 8 rows)][32 x (4 low-nibble bytes x 8 rows)]
  *                  [16 x (4 high-bit bytes x 8 rows)]                1680 bytes
  * (a sub-block's 8 scales and mins, or scales, then unpack as 8 lanes at once).
@@ -945,7 +948,7 @@ static ql_chunk_fn ql_chunk_for(const int qt) {
 #if defined(QS_AVX2)
 QS_INLINE int ql_x8_format(const int qt) {
     return qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q8_0 || qt == QL_Q4_K ||
-           qt == QL_Q6_K;
+           qt == QL_Q5_K || qt == QL_Q6_K;
 }
 #else
 QS_INLINE int ql_x8_format(const int qt) { (void)qt; return 0; }
@@ -966,11 +969,14 @@ QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int
     if (!(kind & QL_X8)) return w + row * wrow + b / ql_subblocks(qt) * bytes;
     const uint8_t *g = w + row / 8 * 8 * wrow + b / ql_subblocks(qt) * 8 * bytes;
     const int lane = (int)(row % 8), head = ql_x8_head(qt), sb = ql_x8_scale_bytes(qt);
-    if (qt == QL_Q4_K) {
+    if (qt == QL_Q4_K || qt == QL_Q5_K) { /* GGUF: d, dmin, scales [12], (qh [32]), qs */
+        const int qs = qt == QL_Q5_K ? 48 : 16;
         memcpy(buf, g + 2 * lane, 2);
         memcpy(buf + 2, g + 16 + 2 * lane, 2);
         for (int k = 0; k < 12; k++) buf[4 + k] = g[32 + 8 * k + lane];
-        for (int c = 0; c < 32; c++) memcpy(buf + 16 + 4 * c, g + 128 + 32 * c + 4 * lane, 4);
+        for (int c = 0; c < 32; c++) memcpy(buf + qs + 4 * c, g + 128 + 32 * c + 4 * lane, 4);
+        if (qt == QL_Q5_K)
+            for (int c = 0; c < 8; c++) memcpy(buf + 16 + 4 * c, g + 1152 + 32 * c + 4 * lane, 4);
         return buf;
     }
     if (qt == QL_Q6_K) { /* GGUF: ql [128], qh [64], scales [16], d */
@@ -1002,12 +1008,16 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
             uint8_t *o = dst + g * 8 * wrow + b * 8 * bytes;
             for (int lane = 0; lane < 8; lane++) {
                 const uint8_t *blk = src + (8 * g + lane) * wrow + b * bytes;
-                if (qtype == QL_Q4_K) {
+                if (qtype == QL_Q4_K || qtype == QL_Q5_K) {
+                    const int qs = qtype == QL_Q5_K ? 48 : 16;
                     memcpy(o + 2 * lane, blk, 2);
                     memcpy(o + 16 + 2 * lane, blk + 2, 2);
                     for (int k = 0; k < 12; k++) o[32 + 8 * k + lane] = blk[4 + k];
                     for (int c = 0; c < 32; c++)
-                        memcpy(o + 128 + 32 * c + 4 * lane, blk + 16 + 4 * c, 4);
+                        memcpy(o + 128 + 32 * c + 4 * lane, blk + qs + 4 * c, 4);
+                    if (qtype == QL_Q5_K) /* the fifth bits, 4 bytes of each row in turn */
+                        for (int c = 0; c < 8; c++)
+                            memcpy(o + 1152 + 32 * c + 4 * lane, blk + 16 + 4 * c, 4);
                     continue;
                 }
                 if (qtype == QL_Q6_K) {
@@ -1055,8 +1065,9 @@ QS_INLINE __m256i ql_x8_scale_byte(const uint8_t *s, const int k) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + 8 * k)));
 }
 
-/* Sub-block j of a Q4_K group (as ql_scale_min_k4, 8 rows at once). */
-QS_INLINE ql_x8_block ql_x8_decode_q4_k(const uint8_t *g, const int j) {
+/* Sub-block j of a Q4_K group (as ql_scale_min_k4, 8 rows at once); of a Q5_K group with
+ * `fifth`: each weight's fifth bit, bit j of its byte of the group's fifth-bit words. */
+QS_INLINE ql_x8_block ql_x8_decode_q4_k(const uint8_t *g, const int j, const int fifth) {
     ql_x8_block b;
     const uint8_t *s = g + 32;
     const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
@@ -1082,6 +1093,11 @@ QS_INLINE ql_x8_block ql_x8_decode_q4_k(const uint8_t *g, const int j) {
     for (int k = 0; k < 8; k++) {
         const __m256i v = q_load(q + 32 * k);
         b.q[k] = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, nibble);
+        if (fifth) { /* (a 16-bit shift: the mask keeps each byte's own bit j) */
+            const __m256i h = _mm256_and_si256(_mm256_srli_epi16(q_load(g + 1152 + 32 * k), j),
+                                               _mm256_set1_epi8(1));
+            b.q[k] = _mm256_or_si256(b.q[k], _mm256_slli_epi16(h, 4));
+        }
     }
     return b;
 }
@@ -1114,7 +1130,7 @@ QS_INLINE ql_x8_block ql_x8_decode_q6_k(const uint8_t *g, const int j) {
 
 /* Block j of the group at g (j: the sub-block of a K-quant super-block; 0 otherwise). */
 QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g, const int j) {
-    if (qt == QL_Q4_K) return ql_x8_decode_q4_k(g, j);
+    if (qt == QL_Q4_K || qt == QL_Q5_K) return ql_x8_decode_q4_k(g, j, qt == QL_Q5_K);
     if (qt == QL_Q6_K) return ql_x8_decode_q6_k(g, j);
     ql_x8_block b;
     b.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
@@ -1222,7 +1238,7 @@ QS_INLINE __m256i ql_x8_dot(const int qt, const ql_x8_block *w, const int8_t *xq
         }
         return s;
     }
-    if (qt == QL_Q5_0) { /* 5-bit: int16 sums of 4 words (4 x 2 x 31 x 127 = 31496) */
+    if (qt == QL_Q5_0 || qt == QL_Q5_K) { /* 5-bit: int16 sums of 4 words (4 x 2 x 31 x 127 = 31496) */
         __m256i lo = _mm256_maddubs_epi16(w->q[0], ql_x8_word(xq, 0));
         __m256i hi = _mm256_maddubs_epi16(w->q[4], ql_x8_word(xq, 4));
 #pragma GCC unroll 3
@@ -1332,6 +1348,7 @@ QL_DEFINE_X8_CHUNK(QL_Q4_1)
 QL_DEFINE_X8_CHUNK(QL_Q5_0)
 QL_DEFINE_X8_CHUNK(QL_Q8_0)
 QL_DEFINE_X8_CHUNK(QL_Q4_K)
+QL_DEFINE_X8_CHUNK(QL_Q5_K)
 QL_DEFINE_X8_CHUNK(QL_Q6_K)
 #endif
 
@@ -1345,6 +1362,7 @@ static ql_chunk_fn ql_kernel_for(const int kind) {
     case QL_Q4_1: return ql_x8_chunk_QL_Q4_1;
     case QL_Q5_0: return ql_x8_chunk_QL_Q5_0;
     case QL_Q4_K: return ql_x8_chunk_QL_Q4_K;
+    case QL_Q5_K: return ql_x8_chunk_QL_Q5_K;
     case QL_Q6_K: return ql_x8_chunk_QL_Q6_K;
     case QL_Q8_0: return ql_x8_chunk_QL_Q8_0;
     }
@@ -1488,6 +1506,7 @@ QL_DEFINE_F32_PANEL(Q4_0_X8, QL_Q4_0 | QL_X8)
 QL_DEFINE_F32_PANEL(Q4_1_X8, QL_Q4_1 | QL_X8)
 QL_DEFINE_F32_PANEL(Q5_0_X8, QL_Q5_0 | QL_X8)
 QL_DEFINE_F32_PANEL(Q4_K_X8, QL_Q4_K | QL_X8)
+QL_DEFINE_F32_PANEL(Q5_K_X8, QL_Q5_K | QL_X8)
 QL_DEFINE_F32_PANEL(Q6_K_X8, QL_Q6_K | QL_X8)
 QL_DEFINE_F32_PANEL(Q8_0_X8, QL_Q8_0 | QL_X8)
 #endif
@@ -1510,6 +1529,7 @@ static ql_f32_panel_fn ql_f32_panel_for(const int kind) {
     case QL_Q4_1 | QL_X8: return ql_f32_panel_Q4_1_X8;
     case QL_Q5_0 | QL_X8: return ql_f32_panel_Q5_0_X8;
     case QL_Q4_K | QL_X8: return ql_f32_panel_Q4_K_X8;
+    case QL_Q5_K | QL_X8: return ql_f32_panel_Q5_K_X8;
     case QL_Q6_K | QL_X8: return ql_f32_panel_Q6_K_X8;
     case QL_Q8_0 | QL_X8: return ql_f32_panel_Q8_0_X8;
 #endif
