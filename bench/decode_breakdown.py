@@ -80,7 +80,7 @@ def weight_bytes(model) -> dict:
         if isinstance(module, QuantEmbedding):
             other += module.table.row_bytes  # (one row looked up)
             continue
-        for buf_name, tensor in list(module.named_parameters(recurse=False)) + \
+        for _, tensor in list(module.named_parameters(recurse=False)) + \
                 list(module.named_buffers(recurse=False)):
             if tensor is None or "embed" in name or "rotary" in name:
                 continue
@@ -196,10 +196,8 @@ def report_round(out: dict, rnd: dict, r: int) -> str:
              f"{rnd['step_ms_profiled_build']:.2f} ms)"]
     for name, ms in rnd["parts_ms"].items():
         lines.append(f"  {name:<34} {ms:7.3f} ms")
-    linears = {"qkv", "o", "gate_up", "down"}
     for name, ms in rnd["layer_parts_ms"].items():
-        lines.append(f"    layers: {name:<24} {ms:7.3f} ms" + (
-            "" if name not in linears else ""))
+        lines.append(f"    layers: {name:<24} {ms:7.3f} ms")
     lines.append(f"  layers' linears at {layer_gb_s(out, rnd):.1f} GB/s; lm_head at "
                  f"{w['lm_head'] / (rnd['parts_ms'].get('lm_head', 1e9) * 1e6):.1f} GB/s")
     over = rnd["overheads_us"]

@@ -76,10 +76,14 @@ def run_engine_overlapped(runner, prompts_ids, budget=512, block_size=4, num_blo
     return [c.generated_tokens.tolist() for c in ctxs], sched
 
 
+# Mistral with a sliding window shorter than most prompts here: every layer attends to the
+# last 8 positions only (the Python path's window metadata in prefill, the fused decode
+# step's per-layer window in decode).
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
 def arch_model(request, smollm2_dir, tmp_path_factory):
+    window = {"sliding_window": 8} if request.param == "mistral" else {}
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), smollm2_dir,
-                                architecture=request.param, seed=1)
+                                architecture=request.param, seed=1, **window)
     runner = ModelRunner(PipelineConfig.for_model(path, kv_cache_page_size=4,
                                                   kv_cache_memory=8 << 20))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -126,11 +126,18 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
                          f"model's {kv} key/value heads (each rank holds at least one)")
 
 
+# Architectures whose every layer attends through `sliding_window` (Mistral's configs that
+# set one); worker/models/llama.py honours it as Gemma 3 does for its sliding layers.
+EVERY_LAYER_SLIDING = {"MistralForCausalLM"}
+
+
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
     limit = config.max_position_embeddings
-    # The Llama family attends over the full context: stay inside the window. (Gemma 3's
-    # sliding layers, those `layer_types` names, honour it.)
-    if config.sliding_window and config.layer_types is None:
+    # The rest of the Llama family (a Qwen2 config asking for windows on some layers) attends
+    # over the full context: stay inside the window. (Gemma 3's sliding layers, those
+    # `layer_types` names, and Mistral's honour it.)
+    if (config.sliding_window and config.layer_types is None
+            and config.architecture not in EVERY_LAYER_SLIDING):
         limit = min(limit, config.sliding_window)
     if requested is None:
         return limit

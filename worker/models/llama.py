@@ -16,11 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.checkpoint.model_config import ModelConfig
+from pipelines.checkpoint.model_config import EVERY_LAYER_SLIDING, ModelConfig
 from pipelines.config import PipelineConfig
 from pipelines.pipeline import PagedCausalLM, checkpoint_config
 from worker import layer_ops
-from worker.attention import AttentionMetadata, paged_attention, store_kv
+from worker.attention import (
+    AttentionMetadata,
+    paged_attention,
+    sliding_window_metadata,
+    store_kv,
+)
 from worker.tensor_parallel import ShardPlan, all_reduce
 from worker.weights import empty_embedding
 
@@ -213,6 +218,9 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_positions)
+        # Mistral's window: every layer attends to the last `sliding_window` positions only.
+        self.sliding_window = config.sliding_window \
+            if config.architecture in EVERY_LAYER_SLIDING else None
         # All layers in one native call for decode-only steps (worker/fused_decode.py), set
         # by the model runner once the weights are packed.
         self.fused_decode = None
@@ -238,6 +246,8 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
             hidden, residual = self.fused_decode(hidden, meta, kv_cache)
         else:
             rotary = self.rotary if rotary is None else rotary
+            if self.sliding_window:
+                meta = sliding_window_metadata(meta, self.sliding_window, kv_cache.shape[3])
             for i, layer in enumerate(self.layers):
                 hidden, residual = layer(hidden, residual, rotary, kv_cache[i, 0],
                                          kv_cache[i, 1], meta)
@@ -254,7 +264,8 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
             qk = {} if attn.q_norm is None else dict(q_norm=attn.q_norm.weight,
                                                      k_norm=attn.k_norm.weight)
             layers.append(DecodeLayer(layer.input_layernorm.weight,
-                                      layer.post_attention_layernorm.weight, self.rotary, **qk))
+                                      layer.post_attention_layernorm.weight, self.rotary,
+                                      window=self.sliding_window or 0, **qk))
         return layers
 
     @property
