@@ -80,6 +80,7 @@ class ChatDelta:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     logprobs: list | None = None  # the engine delta's, for chat's logprobs
+    speculative: tuple[int, int] | None = None  # the engine delta's
     # Pieces of the arguments of calls being written, for streaming: a call's first piece
     # comes before it is complete (in `calls`), and the pieces add up to its arguments.
     call_deltas: list[CallDelta] = field(default_factory=list)
@@ -124,7 +125,7 @@ async def prepare_chat(serving: ServingContext, job: ChatJob) -> ChatRun:
             messages=messages, tools=rendered_tools, request_path=job.request_path,
             timestamp_ns=time.time_ns(), chat_template_options=options,
             logprobs=job.logprobs, response_format=response_format,
-            cache_salt=sampling.cache_salt,
+            cache_salt=sampling.cache_salt, speculative_decoding=sampling.speculative_decoding,
             sampling_params=serving.sampling_params(sampling, job.max_tokens, i),
         ), job.n, job.n, admit=False)
     except RequestError as exc:
@@ -284,6 +285,7 @@ class ChatRun:
                 generated += d.token_ids
                 out = await self._parse(d, thoughts, calls, counts)
                 out.prompt_tokens, out.completion_tokens = prompt_tokens, d.completion_tokens
+                out.speculative = d.speculative
                 over_budget = (not d.finish_reason and budget is not None
                                and thoughts.in_reasoning and counts["reasoning"] >= budget)
                 yield out

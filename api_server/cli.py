@@ -59,6 +59,10 @@ def serve_config_from_args(args: argparse.Namespace, model: str | None = None) -
     check_kv_events(cfg.kv_cache_config)
     check_custom_architectures(cfg.custom_architectures)
     check_speculative(cfg.speculative_config)
+    if (cfg.speculative_config.speculative_method != "none"
+            and cfg.device_config.tensor_parallel_size > 1):
+        raise StartupError("--speculative-method with --tensor-parallel-size: not yet (the "
+                           "ranks would have to agree on each step's accepted tokens)")
     model = cfg.model_config
     if not model.model_path:
         from pipelines.checkpoint.default_model import DEFAULT_MODEL_NAME, find_gguf
@@ -243,11 +247,11 @@ def check_speculative(spec: SpeculativeConfig) -> None:
                            "--suffix-decoding-min-token-prob in [0, 1]")
     if (method == "draft") != (spec.draft_model_path is not None):
         raise StartupError("--draft-model-path goes with --speculative-method draft")
-    if method != "none":
-        # (The proposers exist, worker/speculative/; the step that verifies them does not:
-        # starting would silently decode without them.)
-        raise StartupError(f"--speculative-method {method}: not served yet (speculative "
-                           "decoding is being built); leave it out or use none")
+    if spec.speculative_disable_by_batch_size < 1:
+        raise StartupError("--speculative-disable-by-batch-size must be positive")
+    if method == "draft":
+        # (Proposals from a draft model need it run in the worker, with its own KV cache.)
+        raise StartupError("--speculative-method draft: not served yet; use ngram or suffix")
 
 
 def check_kv_events(kv_cache: KVCacheConfig) -> None:

@@ -30,6 +30,8 @@ class ChoiceDelta:
     # Echo: log probabilities of prompt tokens 1.. (position 0 has none), when asked for.
     prompt_logprobs: list[LogProbabilities] | None = None
     stop_sequence: str | None = None  # the stop string that ended the choice, if one did
+    # Speculative decoding, on the last delta: (tokens proposed, tokens accepted).
+    speculative: tuple[int, int] | None = None
 
 
 async def stream_choice(
@@ -49,17 +51,23 @@ async def stream_choice(
             if output.final_status is GenerationStatus.ERROR:
                 raise GenerationFailed(output.error or "generation failed")
             tokens = output.tokens
-            completion_tokens += len(tokens)
             finish = _finish_reason(output.final_status)
             # The token that ended generation (EOS, a stop id) is counted but not shown.
             visible = tokens
             if finish == "stop" and tokens and tokens[-1] in (stop_ids | eos_ids):
                 visible = tokens[:-1]
+            if len(visible) > 1 and stops.stops:
+                # Several tokens at once (speculative decoding): a stop string ends the output
+                # at the token that completes it, as it would one token at a time.
+                text, visible = _push_until_stopped(visible, detok, stops)
+                tokens = tokens[:len(visible)] if stops.stopped else tokens
+            else:
+                text = stops.push(detok.push(visible)) if visible else ""
+            completion_tokens += len(tokens)
             logprobs = None
             if output.log_probabilities is not None:
                 logprobs = list(zip(visible, output.log_probabilities))
             prompt_lp = output.prompt_log_probabilities
-            text = stops.push(detok.push(visible)) if visible else ""
             if finish is not None and not stops.stopped:
                 text += stops.push(detok.flush())
                 text += stops.flush()
@@ -69,8 +77,10 @@ async def stream_choice(
                 yield ChoiceDelta(index, text, visible, "stop", len(prompt_ids), completion_tokens,
                                   logprobs, prompt_lp, stops.matched)
                 return
+            speculative = (output.num_draft_tokens, output.num_accepted_tokens) \
+                if output.num_draft_tokens else None
             yield ChoiceDelta(index, text, visible, finish, len(prompt_ids), completion_tokens,
-                              logprobs, prompt_lp)
+                              logprobs, prompt_lp, speculative=speculative)
             if finish is not None:
                 return
     finally:
@@ -78,6 +88,17 @@ async def stream_choice(
         # string is cancelled in the scheduler, and forgotten in the engine client, at once.
         await outputs.aclose()
     raise GenerationFailed("the engine stream ended without a final status")
+
+
+def _push_until_stopped(tokens: list[int], detok: IncrementalDetokenizer,
+                        stops: StopStringMatcher) -> tuple[str, list[int]]:
+    """The text of `tokens` up to a stop string, and the tokens up to the one completing it."""
+    text = ""
+    for n, token in enumerate(tokens, 1):
+        text += stops.push(detok.push([token]))
+        if stops.stopped:
+            return text, tokens[:n]
+    return text, tokens
 
 
 def _finish_reason(status: GenerationStatus) -> str | None:

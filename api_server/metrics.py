@@ -94,7 +94,14 @@ class Metrics:
             "generation_tokens_total": counter("generation_tokens", "Tokens generated."),
             "prefix_cache_queries_total": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "prefix_cache_hits_total": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            "spec_num_drafts_total": counter("spec_decode_num_drafts", "Speculative decoding: proposals verified."),
+            "spec_num_draft_tokens_total": counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."),
+            "spec_num_accepted_tokens_total": counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."),
         }
+        self.spec_accepted_per_pos = Counter(
+            "loom:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted "
+            "tokens by their position in the proposal (0: the first).",
+            ["model_name", "position"], registry=reg)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
@@ -190,6 +197,11 @@ class Metrics:
             delta = getattr(stats, field) - getattr(self._last, field)
             if delta > 0:
                 counter.inc(delta)
+        before = self._last.spec_accepted_per_position
+        for position, total in enumerate(stats.spec_accepted_per_position):
+            delta = total - (before[position] if position < len(before) else 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(delta)
         for tokens in stats.iteration_tokens:
             self.iteration_tokens.observe(tokens)
         for overhead in stats.step_overheads:

@@ -70,7 +70,7 @@ class OpenAIRoutes:
                 echo=bool(req.echo and wants_logprobs),
                 response_format=response_format,
                 sampling_params=self.serving.sampling_params(req, max_tokens, i),
-                cache_salt=req.cache_salt,
+                cache_salt=req.cache_salt, speculative_decoding=req.speculative_decoding,
             ), len(prompts) * n, n)
         except RequestError as exc:
             return error_response(exc)
@@ -267,16 +267,24 @@ class _Usage:
         self.n = n
         self.prompt: dict[int, int] = {}
         self.completion: dict[int, int] = {}
+        self.speculative: dict[int, tuple[int, int]] = {}
 
     def add(self, d: ChoiceDelta) -> None:
         self.prompt[d.index // self.n] = d.prompt_tokens
         self.completion[d.index] = d.completion_tokens
+        if getattr(d, "speculative", None):
+            self.speculative[d.index] = d.speculative
 
     def body(self) -> dict:
         prompt = sum(self.prompt.values())
         completion = sum(self.completion.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
+        body = {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
+        if self.speculative:  # (extension: speculative decoding's proposals, and accepted)
+            body["speculative_decoding"] = {
+                "num_draft_tokens": sum(p for p, _ in self.speculative.values()),
+                "num_accepted_tokens": sum(a for _, a in self.speculative.values())}
+        return body
 
 
 class _CompletionChoice:

@@ -90,6 +90,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     cache_salt: CacheSalt | None = None
+    # Extension: false keeps this request out of speculative decoding.
+    speculative_decoding: bool = True
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -255,6 +255,7 @@ class TextTokenizer:
             log_probabilities_echo=request.echo,
             json_schema=json_schema,
             cache_salt=request.cache_salt,
+            speculative_decoding=request.speculative_decoding,
         )
         if vision is not None and vision.images:
             return TextAndVisionContext(**fields, vision_token_ids=self.vision.vision_token_ids,
@@ -289,6 +290,7 @@ class TextTokenizer:
             json_schema=first.json_schema,
             cache_salt=first.cache_salt,
             lora=first.lora,
+            speculative_decoding=first.speculative_decoding,
         )
         if isinstance(first, TextAndVisionContext):
             return TextAndVisionContext(**fields, vision_token_ids=first.vision_token_ids,

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from worker.speculative.ngram import NgramProposer
-from worker.speculative.suffix import SuffixProposer
+from scheduler.speculative.ngram import NgramProposer
+from scheduler.speculative.suffix import SuffixProposer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -134,12 +134,12 @@ SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Speculative decoding (worker/speculative/): MAX's flags, and vLLM's `speculative_config`
+    """Speculative decoding (scheduler/speculative/): MAX's flags, and vLLM's `speculative_config`
     fields under their names."""
     speculative_method: Annotated[str, Flag(
         "propose tokens to verify several in one step: ngram (prompt lookup), suffix (suffix "
         "decoding over the request and recent outputs), draft (a smaller model with the same "
-        "tokenizer); not served yet: any but none stops the start with an error",
+        "tokenizer; not served yet: it stops the start with an error)",
         choices=SPECULATIVE_METHODS)] = "none"
     num_speculative_tokens: Annotated[int | None, Flag(
         "most tokens proposed per step; default: 5, suffix: --suffix-decoding-max-tree-depth "
@@ -162,6 +162,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         "suffix: most tokens proposed per token matched")] = 1.0
     suffix_decoding_min_token_prob: Annotated[float, Flag(
         "suffix: stop proposing below this estimated probability")] = 0.1
+    speculative_disable_by_batch_size: Annotated[int, Flag(
+        "propose only while at most this many requests run (a verify step costs more as "
+        "the batch grows)")] = 4
 
     @property
     def num_draft_tokens(self) -> int:
@@ -177,7 +180,8 @@ VLLM_SPECULATIVE_FIELDS = {
     **{name: name for name in (
         "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-        "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")}}
+        "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")},
+    "disable_by_batch_size": "speculative_disable_by_batch_size"}
 VLLM_SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft"}
 
 

@@ -58,6 +58,8 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
     # The LoRA adapter it runs with (None: the base model), set by the API process; its
     # prefix-cache blocks are keyed by it too.
     lora: LoRARequest | None = None
+    # Extension: False keeps the request out of speculative decoding (it never proposes).
+    speculative_decoding: bool = True
     status: GenerationStatus = GenerationStatus.ACTIVE
     _size: int = -1
     _start_idx: int = 0
@@ -335,6 +337,17 @@ class TextContext(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, eq
         self._completion_end_idx = new_end
         self._draft_offset = 0
         self.status = GenerationStatus.ACTIVE
+
+    def append_draft(self, draft: np.ndarray) -> None:
+        """Append proposed tokens (speculative decoding) to the window, to be fed with it and
+        verified: they are not generated tokens (no status change, nothing to deliver), and
+        `rollback(len(draft))` takes them off once the step's result is known."""
+        n = len(draft)
+        if self._end_idx + n > self._size:
+            self._grow(_round_up(self._end_idx + n - self._size, CHUNK_SIZE))
+        self.tokens[self._end_idx : self._end_idx + n] = draft
+        self._end_idx += n
+        self._active_idx = self._end_idx
 
     def set_draft_offset(self, idx: int) -> None:
         """The draft model's window starts `idx` tokens past `start_idx` (it has already seen

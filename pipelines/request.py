@@ -50,4 +50,5 @@ class TokenGeneratorRequest:
     stop: str | list[str] | None = None
     chat_template_options: dict[str, Any] | None = None
     cache_salt: str | None = None  # vLLM's: separates tenants in the prefix cache
+    speculative_decoding: bool = True  # extension: False, the request never proposes tokens
     sampling_params: SamplingParams = field(default_factory=SamplingParams)

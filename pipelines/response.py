@@ -49,6 +49,9 @@ class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Echo: log probabilities of prompt tokens resolved since the previous output, one entry
     # per token from prompt position 1 on, in order.
     prompt_log_probabilities: list[LogProbabilities] | None = None
+    # Set on the final output of a request that speculated: tokens proposed and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def is_done(self) -> bool:

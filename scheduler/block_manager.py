@@ -155,6 +155,22 @@ class BlockManager:
             table.append(block_id)
         return True
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past those `num_tokens` tokens need (speculative
+        decoding's rejected proposals took them; never hashed: they were not verified)."""
+        table = self.tables.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not table or len(table) <= keep:
+            return
+        for block_id in reversed(table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        del table[keep:]
+        self.hashed_blocks[request_id] = min(self.hashed_blocks.get(request_id, 0), keep)
+        del self.block_hashes.get(request_id, [])[keep:]
+
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
         self.hashed_blocks.pop(request_id, None)

@@ -21,12 +21,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from pipelines.config import PipelineConfig
 from pipelines.context import TextContext
 from pipelines.response import LogProbabilities, RequestTimings, TextGenerationOutput
 from pipelines.status import GenerationStatus
 from pipelines.vision_context import TextAndVisionContext
 from scheduler.block_manager import BlockManager
+from scheduler.speculative.speculation import NO_DRAFT, Speculation, room_to_generate
 from scheduler.step_builder import build_step_batch
 from serialization.messages import NewRequest, SchedulerStats, StepBatch, StepResult, TokenLogprobs
 
@@ -66,6 +69,10 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.timings: dict[str, RequestTimings] = {}
         self._prompt_logprobs: dict[str, list[LogProbabilities]] = {}
+        self.speculation = Speculation.for_config(pipeline_config.speculative_config)
+        # Requests whose step in flight verifies proposals, and how many: their contexts
+        # hold the proposals until the result says which stay.
+        self._verifying: dict[str, int] = {}
 
     # ---- request lifecycle ------------------------------------------------------------------
     def add_request(self, ctx: TextContext) -> None:
@@ -108,6 +115,9 @@ class Scheduler:
         elif ctx in self.waiting:
             self.waiting.remove(ctx)
         self.blocks.free(ctx.request_id)
+        if self.speculation is not None:
+            self._verifying.pop(ctx.request_id, None)
+            self.speculation.release(ctx)
         if ctx.request_id in self._known_to_worker:
             self._known_to_worker.discard(ctx.request_id)
             self._finished_since_last_step.append(ctx.request_id)
@@ -125,6 +135,7 @@ class Scheduler:
         budget = self.max_batch_input_tokens
         scheduled: list[TextContext] = []
         num_new: dict[str, int] = {}
+        drafts: dict[str, np.ndarray] = {}
         preempted = False
 
         # Running requests first, oldest first; preempt from the newest end when out of blocks.
@@ -132,10 +143,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             ctx = self.running[i]
             n = image_aligned_chunk(ctx, ctx.start_idx, min(ctx.end_idx - ctx.start_idx, budget))
-            if n == 0 or self._finishes_with_pending_token(ctx):
+            if (n == 0 or self._finishes_with_pending_token(ctx) or self._waits_to_propose(ctx)):
                 i += 1  # waiting for a result: nothing it can feed yet
                 continue
-            while not self.blocks.allocate(ctx.request_id, ctx.start_idx + n):
+            draft = self._propose(ctx, n, budget)
+            while not self.blocks.allocate(ctx.request_id, ctx.start_idx + n + len(draft)):
+                if len(draft):  # (proposals never take blocks from others)
+                    draft = draft[:0]
+                    continue
                 if ahead:
                     return None
                 victim = self.running[-1]
@@ -146,8 +161,11 @@ class Scheduler:
             if ctx not in self.running:
                 break
             scheduled.append(ctx)
-            num_new[ctx.request_id] = n
-            budget -= n
+            if len(draft):
+                ctx.append_draft(draft)
+                drafts[ctx.request_id] = draft
+            num_new[ctx.request_id] = n + len(draft)
+            budget -= n + len(draft)
             i += 1
 
         # Then waiting requests, in arrival order, while everything they need is there.
@@ -179,7 +197,24 @@ class Scheduler:
 
         if not scheduled:
             return None
-        return self._build_step(scheduled, num_new)
+        return self._build_step(scheduled, num_new, drafts)
+
+    def _waits_to_propose(self, ctx: TextContext) -> bool:
+        """Its proposals are being verified, or it will propose once its token is known."""
+        if self.speculation is None:
+            return False
+        return ctx.request_id in self._verifying or (
+            ctx.num_future > 0 and self.speculation.waits_for_its_token(ctx, len(self.running)))
+
+    def _propose(self, ctx: TextContext, n: int, budget: int) -> np.ndarray:
+        """Tokens a decoding request proposes to follow its last (speculative decoding), to
+        be verified in the same step: within the step's token budget, and never more than it
+        may still generate."""
+        if (self.speculation is None or n != 1 or ctx.num_future or ctx.is_initial_prompt
+                or type(ctx) is not TextContext or ctx.end_idx - ctx.start_idx != 1):
+            return NO_DRAFT
+        room = room_to_generate(ctx, self.max_model_len) - 1  # (and the token after them)
+        return self.speculation.propose(ctx, len(self.running), min(room, budget - n))
 
     def _next_admissible(self) -> TextContext | None:
         """The oldest waiting request whose LoRA adapter can run beside the running ones' (at
@@ -229,7 +264,8 @@ class Scheduler:
         self.timings[ctx.request_id].num_preemptions += 1
         logger.debug("preempted %s (%d tokens)", ctx.request_id, ctx.end_idx)
 
-    def _build_step(self, contexts: list[TextContext], num_new: dict[str, int]) -> ScheduledStep:
+    def _build_step(self, contexts: list[TextContext], num_new: dict[str, int],
+                    drafts: dict[str, np.ndarray]) -> ScheduledStep:
         new_requests = []
         now = time.monotonic()
         for ctx in contexts:
@@ -247,11 +283,17 @@ class Scheduler:
             new_requests,
             self._finished_since_last_step,
         )
+        if drafts:
+            batch.num_draft_tokens = np.array([len(drafts.get(c.request_id, ()))
+                                               for c in contexts], dtype=np.int32)
+            self._verifying.update((rid, len(d)) for rid, d in drafts.items())
         self._finished_since_last_step = []
         self._next_step_id += 1
         prompt_tokens = []
         for ctx, samples in zip(contexts, batch.sample):
             prompt_tokens.append(ctx.active_length if ctx.is_initial_prompt else 0)
+            if ctx.request_id in drafts:
+                continue  # (it holds its proposals until the result)
             # Advance now, so the next step can be built before this one's result.
             if samples:
                 ctx.update_with_future_token()
@@ -264,6 +306,7 @@ class Scheduler:
         outputs: list[TextGenerationOutput] = []
         sampled = result.sampled_token_ids
         logprobs = sampled_logprobs_by_seq(result)
+        drafts = step.batch.num_draft_tokens
         prompt_logprobs = prompt_logprobs_by_seq(result)
         failures = {f.seq: f.error for f in result.failed}
         for i, ctx in enumerate(step.contexts):
@@ -273,8 +316,11 @@ class Scheduler:
                 outputs.append(self._fail(ctx, failures[i]))
                 continue
             self.prompt_tokens_total += step.prompt_tokens[i]
-            if step.batch.sample[i]:
-                ctx.realize_future_token(int(sampled[i]), logprobs.get(i))
+            num_computed = int(step.batch.seq_lens[i])
+            if drafts is not None and drafts[i]:
+                num_computed = self._verified(step, result, i, ctx, logprobs.get(i))
+            elif step.batch.sample[i]:
+                ctx.realize_future_token(int(sampled[i]), (logprobs.get(i) or [None])[-1])
                 self.generation_tokens_total += 1
                 timings = self.timings[ctx.request_id]
                 if not timings.first_token:
@@ -285,21 +331,48 @@ class Scheduler:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             # Blocks full of tokens this step computed (steps queued behind it are not done).
             self.blocks.register_full_blocks(ctx.request_id, ctx.prefix_cache_tokens,
-                                             int(step.batch.seq_lens[i]), ctx.prefix_salt)
+                                             num_computed, ctx.prefix_salt)
             if ctx.end_idx - ctx.num_future >= self.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             if i in prompt_logprobs:
                 self._prompt_logprobs.setdefault(ctx.request_id, []).extend(prompt_logprobs[i])
             prompt_lp = self._prompt_logprobs.pop(ctx.request_id, None)
             timings = None
+            spec_totals = None
             if ctx.is_done:
+                if self.speculation is not None:
+                    spec_totals = self.speculation.totals(ctx.request_id)
                 timings = self._finish(ctx)
             if step.batch.sample[i] or ctx.is_done or prompt_lp:
                 output = ctx.to_generation_output()
                 output.timings = timings
                 output.prompt_log_probabilities = prompt_lp
+                if spec_totals is not None:
+                    output.num_draft_tokens, output.num_accepted_tokens = spec_totals
                 outputs.append(output)
         return outputs
+
+    def _verified(self, step: ScheduledStep, result: StepResult, i: int, ctx: TextContext,
+                  logprobs: list[LogProbabilities] | None) -> int:
+        """Apply the result of a step in which sequence i verified proposals: they come off
+        the context, the accepted ones and the token after them go on (up to the first that
+        ends the request), and the blocks past them are freed. Returns the tokens whose KV
+        is now verified (the prefix cache may hold those)."""
+        k = self._verifying.pop(ctx.request_id)
+        ctx.rollback(k)
+        sampled = int(result.sampled_token_ids[i])
+        for token, lp in new_tokens(step.batch, result, i, sampled, logprobs):
+            ctx.update(token, lp)
+            self.generation_tokens_total += 1
+            if ctx.is_done:
+                break
+        accepted = int(result.num_accepted[i]) if result.num_accepted is not None else 0
+        self.speculation.record(ctx.request_id, k, accepted)
+        self.blocks.truncate(ctx.request_id, ctx.end_idx)
+        timings = self.timings[ctx.request_id]
+        if not timings.first_token:
+            timings.first_token = time.monotonic()
+        return min(int(step.batch.seq_lens[i]) - k + accepted, ctx.end_idx)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -315,6 +388,7 @@ class Scheduler:
             if self.max_num_loras else [],
             waiting_lora_adapters=sorted(self._lora_names(self.waiting))
             if self.max_num_loras else [],
+            **(self.speculation.stats() if self.speculation is not None else {}),
         )
 
     def fail_step(self, step: ScheduledStep, message: str) -> list[TextGenerationOutput]:
@@ -370,11 +444,29 @@ def to_log_probabilities(lp: TokenLogprobs, row: int) -> LogProbabilities:
     return LogProbabilities([float(lp.token_logprobs[row])], [top])
 
 
-def sampled_logprobs_by_seq(result: StepResult) -> dict[int, LogProbabilities]:
+def sampled_logprobs_by_seq(result: StepResult) -> dict[int, list[LogProbabilities]]:
+    """Each sequence's new tokens' log probabilities, in order (one token's without
+    speculation)."""
     if result.sampled_logprobs is None:
         return {}
-    return {seq: to_log_probabilities(result.sampled_logprobs, row)
-            for row, seq in enumerate(result.logprob_seqs)}
+    by_seq: dict[int, list[LogProbabilities]] = {}
+    for row, seq in enumerate(result.logprob_seqs):
+        by_seq.setdefault(seq, []).append(to_log_probabilities(result.sampled_logprobs, row))
+    return by_seq
+
+
+def new_tokens(batch: StepBatch, result: StepResult, seq: int, sampled: int,
+               logprobs: list[LogProbabilities] | None) -> list[tuple]:
+    """Sequence `seq`'s new tokens from the step, with their log probabilities (or None):
+    the accepted proposals, then the sampled token (that alone without speculation)."""
+    accepted = int(result.num_accepted[seq]) if result.num_accepted is not None else 0
+    tokens = [sampled]
+    if accepted:
+        end = int(np.cumsum(batch.query_lens[: seq + 1])[-1])
+        k = int(batch.num_draft_tokens[seq])
+        tokens = batch.input_ids[end - k : end - k + accepted].tolist() + tokens
+    return list(zip(tokens, logprobs or [None] * len(tokens)))
+
 
 
 def prompt_logprobs_by_seq(result: StepResult) -> dict[int, list[LogProbabilities]]:

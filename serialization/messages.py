@@ -59,6 +59,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # Malformed frames the scheduler dropped since it started, per channel it reads
     # (requests, cancel, results).
     malformed_frames_total: dict[str, int] = {}
+    # Speculative decoding since the start: proposals verified, their tokens, those accepted,
+    # and how often the i-th proposed token was (vLLM's spec_decode counters).
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class EmbeddingOutput(msgspec.Struct, array_like=True):
@@ -182,6 +188,10 @@ class StepBatch(msgspec.Struct, tag=True):
     new_requests: list[NewRequest] = []
     finished_request_ids: list[str] = []
     images: list[StepImage] = []
+    # Speculative decoding: the last `num_draft_tokens[i]` tokens sequence i feeds are
+    # proposals to verify (int32 [num_seqs]; None: none this step). Their KV is written; the
+    # worker samples at each of them and the one before, and keeps the accepted run.
+    num_draft_tokens: np.ndarray | None = None
 
 
 class EmbedStep(msgspec.Struct, tag=True):
@@ -263,6 +273,10 @@ class StepResult(msgspec.Struct, tag=True, omit_defaults=True):
     finished_at: float = 0.0  # worker sent the result
     error: str | None = None  # the whole step failed
     failed: list[SequenceFailure] = []
+    # With proposals (StepBatch.num_draft_tokens): how many of sequence i's were accepted
+    # (int32 [num_seqs]). Its new tokens are those proposals, then sampled_token_ids[i];
+    # with log probabilities, sequence i is in `logprob_seqs` once per new token.
+    num_accepted: np.ndarray | None = None
 
 
 class WorkerReady(msgspec.Struct, tag=True):

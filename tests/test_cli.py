@@ -90,24 +90,26 @@ def test_sampling_defaults_are_bounded_like_a_requests(tiny_model_dir):
     assert r.stderr.count("\n") == 1
 
 
-def test_speculative_decoding_is_refused_until_served(tiny_model_dir, capsys):
-    """Its settings are checked, and a method stops the start with one clear line rather than
-    being silently ignored (the proposers exist; the verification step does not yet)."""
+def test_speculative_decoding_settings_are_checked(tiny_model_dir, capsys):
+    """Its settings are checked; ngram and suffix are served (not with tensor parallelism),
+    a draft model is refused with one clear line rather than silently ignored."""
     from api_server.cli import main
     from pipelines.config import PipelineConfig
 
     draft = '{"method": "draft_model", "model": "%s"}' % tiny_model_dir
-    for flags, method in ((["--speculative-method", "ngram"], "ngram"),
-                          (["--speculative-method", "suffix", "--num-speculative-tokens", "8"],
-                           "suffix"),
-                          (["--speculative-method", "draft", "--draft-model-path",
-                            tiny_model_dir], "draft"),
-                          (["--speculative-config", draft], "draft"),  # (vLLM's spelling)
-                          (["--speculative-config", '{"method": "suffix"}',
-                            "--speculative-method", "ngram"], "ngram")):  # (the flag wins)
+    for flags in (["--speculative-method", "ngram"],
+                  ["--speculative-method", "suffix", "--num-speculative-tokens", "8"],
+                  ["--speculative-config", '{"method": "suffix"}']):
+        assert main(["serve", "--model", tiny_model_dir, *flags, "-tp", "2"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("loom: error: --speculative-method with --tensor-parallel-size")
+    for flags in (["--speculative-method", "draft", "--draft-model-path", tiny_model_dir],
+                  ["--speculative-config", draft],  # (vLLM's spelling)
+                  ["--speculative-config", '{"method": "ngram"}', "--speculative-method",
+                   "draft", "--draft-model-path", tiny_model_dir]):  # (the flag wins)
         assert main(["serve", "--model", tiny_model_dir, *flags]) == 1
         err = capsys.readouterr().err
-        assert err.startswith(f"loom: error: --speculative-method {method}: not served yet")
+        assert err.startswith("loom: error: --speculative-method draft: not served yet")
         assert err.count("\n") == 1
     for config, problem in (('{"method": "eagle"}', "method eagle: not ngram, suffix"),
                             ('{"n": 3}', "n: not among the fields"),

@@ -5,9 +5,9 @@ repeat, bounded and released with the request; the acceptance history adapts the
 import numpy as np
 import pytest
 
-from worker.speculative.acceptance import AcceptanceHistory
-from worker.speculative.ngram import NgramProposer
-from worker.speculative.suffix import SuffixProposer
+from scheduler.speculative.acceptance import AcceptanceHistory
+from scheduler.speculative.ngram import NgramProposer
+from scheduler.speculative.suffix import SuffixProposer
 
 rng = np.random.default_rng(28)
 
@@ -224,7 +224,7 @@ def reference_cached(outputs, context, k, depth, factor, min_prob):
 
 
 def test_suffix_cache_walk_matches_brute_force():
-    from worker.speculative.suffix import best_draft, narrow_matches
+    from scheduler.speculative.suffix import best_draft, narrow_matches
 
     proposer = SuffixProposer(num_speculative_tokens=6, max_tree_depth=10,
                               max_cached_requests=12)
@@ -299,7 +299,7 @@ def test_acceptance_history_adapts_the_proposal_length():
 
 def test_the_configuration_makes_its_proposer():
     from pipelines.config import PipelineConfig
-    from worker.speculative.proposer import make_proposer
+    from scheduler.speculative.proposer import make_proposer
 
     config = PipelineConfig().replace(prompt_lookup_max=3, suffix_decoding_min_token_prob=0.2,
                                       num_speculative_tokens=7)

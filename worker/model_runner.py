@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -43,12 +44,13 @@ from worker.device import (
 )
 from worker.fused_decode import FusedDecode
 from worker.logits_processors import process_logits
-from worker.logprobs import pack_logprobs, plan_echo, resolve_echo
+from worker.logprobs import pack_logprobs, plan_echo, resolve_echo, token_logprobs
 from worker.lora import LoRASlots
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.quant_linear import QuantLinear
-from worker.sampler import RequestSamplingState, describe, sample_isolated
+from worker.sampler import RequestSamplingState, describe, probabilities, sample_isolated
+from worker.speculative.rejection import rejection_sample
 from worker.structured_output import GrammarCompiler
 from worker.tensor_parallel import (
     ShardPlan,
@@ -216,10 +218,16 @@ class ModelRunner:
         echo_plans = plan_echo(step, states) if self.samples else []
         if failed:
             echo_plans = [p for p in echo_plans if p.seq not in failed]
+        # Sequences that verify proposals (speculative decoding) sample apart (`_verify`).
+        drafts = step.num_draft_tokens
+        verify_seqs = sample_seqs[drafts[sample_seqs] > 0] if drafts is not None \
+            else sample_seqs[:0]
+        if len(verify_seqs):
+            out.num_accepted = np.zeros(num_seqs, dtype=np.int32)
         with torch.inference_mode():
             try:
-                inputs, outputs, logit_seqs, echo_logits = self._forward(
-                    step, contexts, sample_seqs, echo_plans, with_lora)
+                inputs, outputs, logit_seqs, echo_logits, verify_logits = self._forward(
+                    step, contexts, sample_seqs, echo_plans, verify_seqs, with_lora)
             finally:
                 if with_lora:
                     self.loras.clear_step()
@@ -233,8 +241,15 @@ class ModelRunner:
             try:
                 if echo_plans:
                     out.prompt_logprobs = self._echo(echo_plans, echo_logits, states, failed)
-                if len(sample_seqs):
-                    self._sample(out, inputs, outputs, logit_seqs, states, sample_seqs, failed)
+                plain_seqs = sample_seqs[~np.isin(sample_seqs, verify_seqs)] \
+                    if len(verify_seqs) else sample_seqs
+                width = max((states[i].logprobs for i in sample_seqs.tolist()), default=0)
+                if len(plain_seqs):
+                    self._sample(out, inputs, outputs, logit_seqs, states, plain_seqs, failed,
+                                 width)
+                if len(verify_seqs):
+                    self._verify(out, step, outputs, logit_seqs, verify_logits, states,
+                                 verify_seqs, failed, width)
                 if failed:
                     out.sampled_token_ids[list(failed)] = -1
             finally:  # (a failed sampling too: the other ranks wait for its tokens)
@@ -245,38 +260,45 @@ class ModelRunner:
         return out
 
     def _forward(self, step: StepBatch, contexts: list[TextContext], sample_seqs: np.ndarray,
-                 echo_plans: list, with_lora: bool = False) -> tuple:
+                 echo_plans: list, verify_seqs: np.ndarray, with_lora: bool = False) -> tuple:
         """The model's outputs for the step (on the host): (inputs, outputs, the sequence of
-        each next_token_logits row, the echo plans' rows' logits).
+        each next_token_logits row, the echo plans' rows' logits, the rows' logits before
+        each verifying sequence's last: one per proposed token).
 
         Loom's own models compute only the rows read (`PagedModelInputs.narrow`: the sampling
-        sequences' last rows, then the echo rows), and their decode-only steps replay CUDA
-        graphs where captured; any other model gives every context's last row, and every row
-        when echo is asked (return_n_logits=-1)."""
-        if self.graphs is not None and not echo_plans and not with_lora \
-                and self.graphs.fits(step):
+        sequences' last rows, then the echo rows, then the verifying rows), and their
+        decode-only steps replay CUDA graphs where captured; any other model gives every
+        context's last row, and every row when echo or verification asks (return_n_logits=-1)."""
+        verify_rows = verifying_rows(step, verify_seqs)
+        if (self.graphs is not None and not echo_plans and not len(verify_rows)
+                and not with_lora and self.graphs.fits(step)):
             logits = self.graphs.run(step, fed_tokens(contexts))
             if len(sample_seqs) < len(contexts):  # (a failed sequence's row left out)
                 logits = logits[torch.from_numpy(sample_seqs).to(logits.device)]
-            return None, ModelOutputs(next_token_logits=logits.cpu()), sample_seqs, None
+            return None, ModelOutputs(next_token_logits=logits.cpu()), sample_seqs, None, None
         kv = self.kv_manager.fetch(contexts, step.block_tables)
         extra = {"step": step} if getattr(self.model, "reads_step", False) else {}
+        every_row = bool(echo_plans) or bool(len(verify_rows))
         inputs = self.model.prepare_initial_token_inputs(
             contexts, kv_cache_inputs=kv,
-            return_n_logits=-1 if echo_plans else 1 if self.samples else 0, **extra)
+            return_n_logits=-1 if every_row else 1 if self.samples else 0, **extra)
         narrowed = isinstance(inputs, PagedModelInputs)
+        echo_rows = [p.rows for p in echo_plans]
         if narrowed:  # (a rank that does not sample computes no logits: rows of none)
             rows = [last_rows_of(step)[sample_seqs] if self.samples else sample_seqs[:0]]
-            inputs.narrow(np.concatenate(rows + [p.rows for p in echo_plans]), len(rows[0]))
+            inputs.narrow(np.concatenate(rows + echo_rows + [verify_rows]), len(rows[0]))
         fused = getattr(self.model, "fused_decode", None)
         if fused is not None:  # (its projections are fixed in C: adapter rows take Python's)
             fused.bypass = with_lora
         outputs = self.model.execute(inputs).to_host()
         if narrowed:
-            return inputs, outputs, sample_seqs, outputs.logits
-        echo = outputs.logits[np.concatenate([p.rows for p in echo_plans])] if echo_plans \
-            else None
-        return inputs, outputs, np.arange(len(contexts)), echo
+            num_echo = sum(len(r) for r in echo_rows)
+            rest = outputs.logits
+            return (inputs, outputs, sample_seqs, rest[:num_echo] if echo_plans else None,
+                    rest[num_echo:] if len(verify_rows) else None)
+        echo = outputs.logits[np.concatenate(echo_rows)] if echo_plans else None
+        verify = outputs.logits[verify_rows] if len(verify_rows) else None
+        return inputs, outputs, np.arange(len(contexts)), echo, verify
 
     def _new_state(self, new: NewRequest) -> RequestSamplingState:
         """A request's sampling state. One that cannot be built (or whose JSON schema does
@@ -332,7 +354,7 @@ class ModelRunner:
 
     def _sample(self, out: StepResult, inputs: ModelInputs | None, outputs: ModelOutputs,
                 logit_seqs: np.ndarray, states: list[RequestSamplingState],
-                sample_seqs: np.ndarray, failed: dict[int, str]) -> None:
+                sample_seqs: np.ndarray, failed: dict[int, str], width: int = 0) -> None:
         """A token for each of `sample_seqs`, drawn as one batch (`logit_seqs`: the sequence
         of each row of the outputs' next_token_logits). A row whose logits processing,
         grammar, draw or log probabilities raise is added to `failed` alone (the batched
@@ -363,7 +385,7 @@ class ModelRunner:
         logprobs = None
         if any(top_n):
             logprobs = self._logprobs(inputs, outputs, at, len(logit_seqs), tokens, top_n,
-                                      errors)
+                                      errors, width)
         out.sampled_token_ids[sample_seqs] = tokens.numpy()
         for j, (st, token) in enumerate(zip(batch_states, tokens.tolist())):
             if j not in errors:
@@ -374,15 +396,49 @@ class ModelRunner:
         for j, error in errors.items():
             failed.setdefault(int(sample_seqs[j]), error)
 
+    def _verify(self, out: StepResult, step: StepBatch, outputs: ModelOutputs,
+                logit_seqs: np.ndarray, verify_logits: torch.Tensor,
+                states: list[RequestSamplingState], verify_seqs: np.ndarray,
+                failed: dict[int, str], width: int) -> None:
+        """Speculative decoding: each of `verify_seqs` fed k proposed tokens after its last
+        one, so it has k + 1 rows of logits. Row j is processed as the one-token step would
+        after the first j proposals (penalties, logit_bias and min_tokens see them as
+        generated), then the proposals are accepted while they match the argmax (greedy) or
+        by the rejection rule (sampled: the output distribution stays the target's), and one
+        more token is taken: the correction of the first rejected proposal, or the token after
+        them all. Log probabilities (of the raw logits, as the one-token step's) for each new
+        token. A sequence that raises fails alone."""
+        drafts_of = draft_tokens_of(step, verify_seqs)
+        last = torch.from_numpy(np.searchsorted(logit_seqs, verify_seqs))
+        offset = 0
+        for seq, drafts, row in zip(verify_seqs.tolist(), drafts_of, last.tolist()):
+            k = len(drafts)
+            rows = torch.cat([verify_logits[offset:offset + k],
+                              outputs.next_token_logits[row:row + 1]])
+            offset += k
+            state = states[seq]
+            try:
+                tokens, logprobs = verify_proposals(rows, drafts, state, width)
+            except Exception as exc:
+                failed.setdefault(seq, describe(exc))
+                continue
+            state.output_tokens.extend(tokens)
+            out.sampled_token_ids[seq] = tokens[-1]
+            out.num_accepted[seq] = len(tokens) - 1
+            if logprobs is not None:
+                out.logprob_seqs = out.logprob_seqs + [seq] * len(tokens)
+                out.sampled_logprobs = logprobs if out.sampled_logprobs is None \
+                    else concat_logprobs(out.sampled_logprobs, logprobs)
+
     def _logprobs(self, inputs: ModelInputs | None, outputs: ModelOutputs, at: np.ndarray,
                   num_rows: int, tokens: torch.Tensor, top_n: list[int],
-                  errors: dict[int, str]) -> TokenLogprobs | None:
+                  errors: dict[int, str], width: int = 0) -> TokenLogprobs | None:
         """The sampled tokens' log probabilities for the rows that asked (`top_n`; `at`:
         their rows of the outputs, of `num_rows`), by the model's
         `compute_log_probabilities`, packed for the wire: every row that asks gets the
         batch's widest top-n (the API process keeps each request's own). All at once; should
         that raise, row by row, a row that raises failing alone (its top_n then 0)."""
-        width = max(top_n)
+        width = max(width, *top_n)
         asked = [width if n else 0 for n in top_n]
         try:
             return pack_logprobs(self._model_logprobs(inputs, outputs, at, num_rows, tokens,
@@ -440,6 +496,51 @@ class ModelRunner:
         return results
 
 
+def verify_proposals(logits: torch.Tensor, drafts: list[int], state: RequestSamplingState,
+                     width: int) -> tuple[list[int], TokenLogprobs | None]:
+    """The new tokens of a sequence that proposed `drafts`, from its k + 1 rows of raw
+    `logits` (`ModelRunner._verify`), and their log probabilities when it asks."""
+    if state.matcher is not None:
+        raise ValueError("structured output does not verify proposals")
+    raw = logits.clone() if state.logprobs else logits
+    for j in range(len(logits)):  # (each row as the one-token step would process it)
+        seen = replace(state, output_tokens=state.output_tokens + drafts[:j])
+        process_logits(logits[j:j + 1], [seen])
+    draft = torch.tensor(drafts, dtype=torch.long)
+    if state.params.is_greedy:
+        tokens = rejection_sample(logits, draft, greedy=True)
+    else:
+        tokens = rejection_sample(probabilities(logits, state.params), draft,
+                                  generator=state.generator)
+    tokens = tokens.tolist()
+    if not state.logprobs:
+        return tokens, None
+    return tokens, token_logprobs(raw[:len(tokens)], torch.tensor(tokens), width)
+
+
+def verifying_rows(step: StepBatch, verify_seqs: np.ndarray) -> np.ndarray:
+    """The rows of the step's flat token array before each verifying sequence's last, one per
+    proposed token (the last row is sampled from with the others)."""
+    if not len(verify_seqs):
+        return np.zeros(0, dtype=np.int64)
+    last = last_rows_of(step)[verify_seqs]
+    k = step.num_draft_tokens[verify_seqs].astype(np.int64)
+    return np.concatenate([np.arange(end - n, end) for end, n in zip(last, k)])
+
+
+def draft_tokens_of(step: StepBatch, seqs: np.ndarray) -> list[list[int]]:
+    """Each sequence's proposed tokens: the last num_draft_tokens of what it feeds."""
+    last = last_rows_of(step)[seqs]
+    k = step.num_draft_tokens[seqs]
+    return [step.input_ids[end - n + 1:end + 1].tolist() for end, n in zip(last, k)]
+
+
+def concat_logprobs(a: TokenLogprobs, b: TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(np.concatenate([a.token_logprobs, b.token_logprobs]),
+                         np.concatenate([a.top_token_ids, b.top_token_ids]),
+                         np.concatenate([a.top_logprobs, b.top_logprobs]))
+
+
 def last_rows_of(step: StepBatch) -> np.ndarray:
     """Each sequence's last row of the step's flat token array (the row it samples from)."""
     return np.cumsum(step.query_lens.astype(np.int64)) - 1
@@ -486,6 +587,12 @@ def check_step(step: StepBatch, num_blocks: int, block_size: int, max_model_len:
     needed = (s.astype(np.int64) + (block_size - 1)) // block_size
     if ((first_pad < needed) & ~real.all(axis=1)).any():
         raise ValueError(f"step {step.step_id}: padding among the blocks a sequence reads")
+    drafts = step.num_draft_tokens
+    if drafts is not None and (np.shape(drafts) != (n,) or drafts.dtype.kind not in "iu"
+                               or drafts.min() < 0 or (drafts >= q).any()
+                               or ((drafts > 0) & ~step.sample).any()):
+        raise ValueError(f"step {step.step_id}: proposals must be fewer than a sampling "
+                         f"sequence's fed tokens")
     # (FUTURE_TOKEN, -1, a placeholder the worker fills in, is the only negative id.)
     if len(ids) and (ids.max() >= vocab_size or ids.min() < FUTURE_TOKEN):
         raise ValueError(f"step {step.step_id}: a token id outside [0, {vocab_size})")

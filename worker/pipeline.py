@@ -26,7 +26,7 @@ from pipelines.context import FUTURE_TOKEN, TextContext
 from pipelines.response import TextResponse
 from pipelines.status import GenerationStatus
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import ScheduledStep, Scheduler, sampled_logprobs_by_seq
+from scheduler.scheduler import ScheduledStep, Scheduler, new_tokens, sampled_logprobs_by_seq
 from serialization.messages import NewRequest, StepBatch, StepResult
 from worker.model_runner import ModelRunner
 
@@ -87,10 +87,14 @@ class ScheduledSteps:
         # that update left it; the others (prompt chunks, a preempted request's recomputed
         # tokens, a token given outright) are written into their contexts' windows.
         future = (q == 1) & (ids[starts] == FUTURE_TOKEN)
+        drafts = step.num_draft_tokens
         for i in np.flatnonzero(~future).tolist():
             ctx, n, s, start = contexts[i], int(q[i]), int(seq_lens[i]), int(starts[i])
-            ctx.tokens[s - n : s] = ids[start : start + n]
-            ctx.set_token_indices(start_idx=s - n, active_idx=s)
+            k = int(drafts[i]) if drafts is not None else 0
+            ctx.tokens[s - n : s - k] = ids[start : start + n - k]
+            ctx.set_token_indices(start_idx=s - n, active_idx=s - k)
+            if k:  # (proposals to verify: fed with the window, taken off by the result)
+                ctx.append_draft(ids[start + n - k : start + n])
         if future.any():
             self._stand_in_for_done(contexts, np.flatnonzero(future), seq_lens)
         self._step = ScheduledStep(step, contexts, [])
@@ -142,17 +146,23 @@ def update_contexts(step: ScheduledStep, result: StepResult) -> dict[str, TextRe
     logprobs = sampled_logprobs_by_seq(result) if result.sampled_logprobs is not None else {}
     failed = {f.seq for f in result.failed}
     active = GenerationStatus.ACTIVE
+    drafts = step.batch.num_draft_tokens
     responses = {}
-    for i, (ctx, samples, token) in enumerate(zip(step.contexts, step.batch.sample.tolist(),
-                                                  sampled)):
+    for i, (ctx, samples, last) in enumerate(zip(step.contexts, step.batch.sample.tolist(),
+                                                 sampled)):
+        k = int(drafts[i]) if drafts is not None else 0
+        if k and ctx.status is active:
+            ctx.rollback(k)  # (the proposals; the accepted ones come back as new tokens)
         if ctx.status is not active:
             continue
         if failed and i in failed:
             ctx.status = GenerationStatus.ERROR
         elif samples:
-            lp = logprobs.get(i) if logprobs else None
-            ctx.update(token, lp)
-            responses[ctx.request_id] = TextResponse(token, lp)
+            for token, lp in new_tokens(step.batch, result, i, last, logprobs.get(i)):
+                ctx.update(token, lp)
+                responses[ctx.request_id] = TextResponse(token, lp)
+                if ctx.is_done:  # (a stop among the accepted tokens ends the run there)
+                    break
         else:
             ctx.set_token_indices(start_idx=ctx.active_idx)
     return responses

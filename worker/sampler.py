@@ -98,14 +98,32 @@ def describe(exc: BaseException) -> str:
 
 
 def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
-    params = [s.params for s in states]
+    probs, sorted_ids = _filtered_probs(logits, [s.params for s in states])
+    choice = _draw(probs, states)
+    if sorted_ids is None:
+        return choice
+    return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws a row from, over the vocabulary ([n, V] rows of one
+    request, unnormalized): what speculative decoding's rejection rule weighs proposals by."""
+    probs, sorted_ids = _filtered_probs(logits, [params] * len(logits))
+    if sorted_ids is None:
+        return probs
+    return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, then top-k, top-p and min-p: the rows' probabilities, in vocabulary order,
+    or by rank with the token ids of each rank (when a filter sorted them)."""
     vocab = logits.shape[-1]
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     logits = logits / temps
     needs_filter = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
     if not needs_filter:
-        probs = logits.softmax(dim=-1)
-        return _draw(probs, states)
+        return logits.softmax(dim=-1), None
 
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab).unsqueeze(0)
@@ -117,9 +135,7 @@ def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> 
     outside_p = (probs.cumsum(dim=-1) - probs) >= top_p
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
     below_min_p = probs < min_p * probs[:, :1]
-    probs = probs.masked_fill(outside_p | below_min_p, 0.0)
-    choice = _draw(probs, states)
-    return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    return probs.masked_fill(outside_p | below_min_p, 0.0), sorted_ids
 
 
 def _draw(probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:

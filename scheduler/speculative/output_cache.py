@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from worker.speculative.token_buffer import NO_TOKEN
+from scheduler.speculative.token_buffer import NO_TOKEN
 
 
 def bigram_keys(tokens: np.ndarray) -> list[int]:

@@ -28,8 +28,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from worker.speculative.output_cache import OutputCache
-from worker.speculative.token_buffer import TokenBuffer
+from scheduler.speculative.output_cache import OutputCache
+from scheduler.speculative.token_buffer import TokenBuffer
 
 
 @dataclass

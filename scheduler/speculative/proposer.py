@@ -4,8 +4,8 @@ kinds with the same calls (add_request, propose, rollback, release)."""
 from __future__ import annotations
 
 from pipelines.config import SpeculativeConfig
-from worker.speculative.ngram import NgramProposer
-from worker.speculative.suffix import SuffixProposer
+from scheduler.speculative.ngram import NgramProposer
+from scheduler.speculative.suffix import SuffixProposer
 
 
 def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.speculative.token_buffer import TokenBuffer
+from scheduler.speculative.token_buffer import TokenBuffer
 
 
 class NgramIndex:

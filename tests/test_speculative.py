@@ -1,0 +1,147 @@
+"""Speculative decoding served (issue 28): the scheduler proposes (n-gram, suffix), the worker
+verifies the proposals in one forward, and the output is exactly what it would be without
+them. The tiny tied model repeats its last token, so the proposals are mostly accepted; the
+penalties make it change its mind, so some are rejected."""
+
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines import GenerationStatus, SamplingParams, TextContext
+from pipelines.config import PipelineConfig
+from tests.helpers import check_windows
+
+
+RUNNERS: dict = {}
+
+
+def run_through_the_wire(model_dir: str, prompts: list, method: str, budget: int = 9,
+                         num_blocks: int | None = None) -> tuple:
+    """The worker process's path in-process (as test_pipeline's wire test): the scheduler's
+    overlap-built steps, msgpack-encoded, through `TextGenerationPipeline.next_token` over the
+    worker's own contexts. Returns the scheduler's contexts, the worker's, the scheduler."""
+    from scheduler.block_manager import BlockManager
+    from scheduler.scheduler import Scheduler
+    from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+    from serialization.messages import ResultMessage, StepMessage
+    from worker.model_runner import ModelRunner
+    from worker.pipeline import ScheduledSteps, TextGenerationPipeline
+    from worker.process import answer_step
+
+    if model_dir not in RUNNERS:  # (one model for every run: its requests end in each)
+        RUNNERS[model_dir] = ModelRunner(PipelineConfig.for_model(model_dir,
+                                                                  kv_cache_memory=4 << 20))
+    runner = RUNNERS[model_dir]
+    check_windows(runner)
+    pipeline = TextGenerationPipeline(runner, ScheduledSteps(runner.max_model_len))
+    encode, decode = msgpack_numpy_encoder(), msgpack_numpy_decoder(StepMessage)
+    blocks = BlockManager(num_blocks or runner.num_blocks, runner.block_size, True)
+    config = PipelineConfig.for_model(model_dir, max_batch_input_tokens=budget,
+                                      max_length=runner.max_model_len)
+    sched = Scheduler(config.replace(speculative_method=method,
+                                     speculative_disable_by_batch_size=8), blocks)
+    ours = [TextContext(max_length=len(ids) + 16, tokens=np.array(ids), sampling_params=params,
+                        speculative_decoding=speculates)
+            for ids, params, speculates in prompts]
+    for ctx in ours:
+        sched.add_request(ctx)
+    workers: dict[str, TextContext] = {}
+
+    def run(step):
+        result = answer_step(pipeline, None, decode(encode(step.batch)), 0.0)
+        assert result.error is None, result.error
+        workers.update(pipeline.steps.contexts)
+        sched.update(step, msgpack_numpy_decoder(ResultMessage)(encode(result)))
+
+    inflight: deque = deque()
+    for _ in range(1000):  # (the server's overlap: a step is built while the one before runs)
+        step = sched.schedule(ahead=bool(inflight)) if sched.has_work else None
+        if step is not None:
+            inflight.append(step)
+        if not inflight:
+            break
+        if step is None or len(inflight) == 2:
+            run(inflight.popleft())
+    assert not sched.has_work
+    assert blocks.num_free_blocks == blocks.num_blocks  # (rejected proposals' blocks too)
+    return ours, workers, sched
+
+
+def test_proposals_verified_in_one_step_change_no_token(tiny_model_dir):
+    """Greedy requests get exactly the tokens they get without speculation, through the
+    worker's wire path: with penalties, logit_bias and min_tokens (each verified row sees the
+    proposals before it as generated), max_tokens cutting an accepted run, a stop token id
+    among the accepted tokens, chunked prefill (a 9-token budget that proposals count
+    against), prefix-cache hits (the same prompt twice), a request that opts out beside
+    them, and a cache so small that requests are preempted. The worker's contexts end where
+    the scheduler's do."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    a, b = tok.encode(text), tok.encode("Copy this: one two three four five six")
+    cases = [(a, SamplingParams(), True), (a, SamplingParams(), True),
+             (b, SamplingParams(frequency_penalty=0.1), True),
+             (b, SamplingParams(repetition_penalty=1.6, presence_penalty=0.3), True),
+             (a, SamplingParams(logit_bias={42: 4.0}, max_new_tokens=11), True),
+             (b, SamplingParams(), False)]
+    plain, _, _ = run_through_the_wire(tiny_model_dir, cases[2:3], "none")
+    later = list(dict.fromkeys(plain[0].generated_tokens.tolist()))[2]  # (after two runs)
+    cases += [(b, SamplingParams(frequency_penalty=0.1, stop_token_ids=[later]), True),
+              (b, SamplingParams(frequency_penalty=0.1, stop_token_ids=[later],
+                                 min_new_tokens=14), True)]
+    plain, _, _ = run_through_the_wire(tiny_model_dir, cases, "none")
+    for method in ("ngram", "suffix"):
+        ours, workers, sched = run_through_the_wire(tiny_model_dir, cases, method)
+        for want, ctx in zip(plain, ours):
+            assert ctx.generated_tokens.tolist() == want.generated_tokens.tolist(), method
+            assert ctx.status is want.status
+            assert workers[ctx.request_id].generated_tokens.tolist() == \
+                want.generated_tokens.tolist()
+        spec = sched.speculation
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # (some rejected)
+        assert spec.accepted_per_position[0] >= spec.accepted_per_position[1] > 0
+    assert len(ours[4].generated_tokens) == 11  # (max_tokens: the accepted run cut)
+    assert ours[6].status is GenerationStatus.END_OF_SEQUENCE
+    # Preempted (a cache of one request and a half) and chunked alike.
+    need = -(-(len(a) + 16) // 16) + 1
+    ours, _, sched = run_through_the_wire(tiny_model_dir, cases[:3], "ngram", num_blocks=need)
+    assert sched.num_preemptions > 0 and sched.speculation.num_accepted_tokens > 0
+    for want, ctx in zip(plain, ours):
+        assert ctx.generated_tokens.tolist() == want.generated_tokens.tolist()
+
+
+def test_verified_rows_are_processed_as_the_one_token_steps_would():
+    """Row j of a verification is penalized as if the first j proposals were generated, and
+    a sampled request keeps its distribution: over many draws, the first new token follows
+    the processed row 0 whatever was proposed (chi-square, p > 0.001)."""
+    from tests.test_spec_rejection import chi_square
+    from worker.model_runner import verify_proposals
+    from worker.sampler import RequestSamplingState
+
+    logits = torch.tensor([[2.0, 1.5, 0.5, 0.0]] * 3)
+    penalized = RequestSamplingState.create(SamplingParams(frequency_penalty=1.0))
+    # Greedy: row 0 picks 0 (accepting the proposal 0), row 1 sees it and picks 1.
+    tokens, _ = verify_proposals(logits.clone(), [0, 0], penalized, 0)
+    assert tokens == [0, 1]
+    params = SamplingParams(top_k=0, temperature=1.0, seed=3)
+    state = RequestSamplingState.create(params)
+    counts = np.zeros(4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (tiny tensors: no thread pool to wake per operation)
+    try:
+        for _ in range(3000):
+            tokens, _ = verify_proposals(logits.clone(), [1, 2], state, 0)
+            counts[tokens[0]] += 1
+    finally:
+        torch.set_num_threads(threads)
+    assert chi_square(counts, torch.softmax(logits[0], -1)) < 16.266  # (3 dof, 0.001)
+
+
+@pytest.fixture(scope="module")
+def server(shared_server, tiny_model_dir):
+    """The tiny model served with n-gram speculation (its own start: about 4 s)."""
+    return shared_server(tiny_model_dir, "--served-model-name", "tiny",
+                         "--speculative-method", "ngram", "--max-model-len", "512")
