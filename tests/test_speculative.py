@@ -3,8 +3,12 @@ verifies the proposals in one forward, and the output is exactly what it would b
 them. The tiny tied model repeats its last token, so the proposals are mostly accepted; the
 penalties make it change its mind, so some are rejected."""
 
+import re
+import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -12,7 +16,6 @@ import torch
 from pipelines import GenerationStatus, SamplingParams, TextContext
 from pipelines.config import PipelineConfig
 from tests.helpers import check_windows
-
 
 RUNNERS: dict = {}
 
@@ -145,3 +148,93 @@ def server(shared_server, tiny_model_dir):
     """The tiny model served with n-gram speculation (its own start: about 4 s)."""
     return shared_server(tiny_model_dir, "--served-model-name", "tiny",
                          "--speculative-method", "ngram", "--max-model-len", "512")
+
+
+PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. " * 4
+
+
+def complete(server, **body) -> dict:
+    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 24, **body}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(v) for v in re.findall(re.escape(name) + r"\{[^}]*\}\s+(\S+)", text))
+
+
+def test_served_tokens_and_logprobs_equal_those_without_speculation(server, tiny_model_dir):
+    """The same request with and without speculation (the `speculative_decoding: false`
+    extension): the same tokens, as transformers' greedy ones, the same log probabilities of
+    them (the verify step's rows come from the prefill path: equal to float rounding), the
+    same usage, with the proposals counted in the spec one's usage and in /metrics."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers import hf_greedy
+
+    accepted_before = metric(server, "loom:spec_decode_num_accepted_tokens_total")
+    ask = dict(logprobs=2, return_tokens_as_token_ids=True)
+    spec, plain = complete(server, **ask), complete(server, speculative_decoding=False, **ask)
+    lp, want = spec["choices"][0]["logprobs"], plain["choices"][0]["logprobs"]
+    assert lp["tokens"] == want["tokens"] and spec["choices"][0]["text"] == \
+        plain["choices"][0]["text"]
+    assert np.allclose(lp["token_logprobs"], want["token_logprobs"], atol=1e-4)
+    for got, expected in zip(lp["top_logprobs"], want["top_logprobs"]):
+        assert got.keys() == expected.keys()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = [int(t.split(":")[1]) for t in lp["tokens"]]
+    assert ids == hf_greedy(hf, tok, tok.encode(PROMPT), 24)
+    usage = spec["usage"]
+    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"] == 24
+    assert "speculative_decoding" not in plain["usage"]
+    proposed = usage["speculative_decoding"]
+    assert 0 < proposed["num_accepted_tokens"] <= proposed["num_draft_tokens"]
+    assert metric(server, "loom:spec_decode_num_accepted_tokens_total") - accepted_before \
+        >= proposed["num_accepted_tokens"]
+    assert metric(server, "loom:spec_decode_num_accepted_tokens_per_pos_total") > 0
+
+
+def test_stop_strings_max_tokens_and_a_busy_batch(server):
+    """Several tokens a step stream back as one would: a stop string ends the text and the
+    count at the token completing it, max_tokens cuts an accepted run; requests that opt
+    out or are constrained by a JSON schema run beside speculating ones unchanged."""
+    text = complete(server, speculative_decoding=False)["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    for body in (dict(stop=[stop]), dict(max_tokens=7), dict(max_tokens=13, stream=False)):
+        spec, plain = complete(server, **body), complete(server, speculative_decoding=False,
+                                                          **body)
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert spec["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+        assert spec["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    bodies = [{}, {"prompt": PROMPT[:40]}, {"speculative_decoding": False},
+              {"response_format": schema, "max_tokens": 16}]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: complete(server, **b), bodies))
+    for body, got in zip(bodies, together):
+        alone = complete(server, **{**body, "speculative_decoding": False})
+        assert got["choices"][0]["text"] == alone["choices"][0]["text"], body
+
+
+def test_cancelled_speculating_streams_leak_no_blocks(server):
+    """Streams closed mid-way (their steps verifying proposals) free every KV block."""
+    def cancel_early(_):
+        body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 200,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=60) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 3:
+                    break
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(cancel_early, range(8)))
+    deadline = time.monotonic() + 30
+    while metric(server, "loom:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "loom:kv_cache_usage_perc") == 0
+    assert complete(server)["usage"]["completion_tokens"] == 24  # (still serving)
