@@ -293,9 +293,10 @@ class ModelRunner:
         outputs = self.model.execute(inputs).to_host()
         if narrowed:
             num_echo = sum(len(r) for r in echo_rows)
-            rest = outputs.logits
-            return (inputs, outputs, sample_seqs, rest[:num_echo] if echo_plans else None,
-                    rest[num_echo:] if len(verify_rows) else None)
+            rest = outputs.logits  # (None when no row follows the sampled ones)
+            if rest is None or not len(verify_rows):
+                return inputs, outputs, sample_seqs, rest, None
+            return inputs, outputs, sample_seqs, rest[:num_echo], rest[num_echo:]
         echo = outputs.logits[np.concatenate(echo_rows)] if echo_plans else None
         verify = outputs.logits[verify_rows] if len(verify_rows) else None
         return inputs, outputs, np.arange(len(contexts)), echo, verify
