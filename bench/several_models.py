@@ -4,8 +4,8 @@
 
 One `loom serve --model smollm2=... --model gemma3=gemma-3-270m --model-idle-timeout S`:
 - each model's load time at start (loom:model_load_duration_seconds);
-- greedy answers to interleaved concurrent requests, each equal to the same model's answer
-  from a single-model server (started after, one at a time);
+- greedy answers to requests to both models at once, each equal to the same model's answer
+  from a single-model server (started after, one at a time, its start time recorded);
 - the processes' resident memory with both loaded, and after both unloaded on idle;
 - the first request to a model not loaded: time to its first token, load included.
 """
@@ -38,6 +38,8 @@ def models() -> dict[str, str]:
 
 
 async def answers(url: str, jobs: list[tuple[str, str]]) -> list[str]:
+    """Each prompt to every model at once: the models run side by side, each on a batch of
+    one (a batch's composition can move a quantized model's near-ties)."""
     async with httpx.AsyncClient(timeout=300) as client:
         async def one(model, prompt):
             r = await client.post(url + "/v1/completions", json={
@@ -45,7 +47,11 @@ async def answers(url: str, jobs: list[tuple[str, str]]) -> list[str]:
             r.raise_for_status()
             return r.json()["choices"][0]["text"]
 
-        return await asyncio.gather(*(one(m, p) for m, p in jobs))
+        texts = []
+        for prompt in PROMPTS:
+            models = [m for m, p in jobs if p == prompt]
+            texts += await asyncio.gather(*(one(m, prompt) for m in models))
+        return texts
 
 
 def metric_sum(url: str, name: str) -> dict[str, float]:
@@ -102,9 +108,12 @@ def main() -> int:
                                      "--no-speech"], log) as server:
             alone[name] = asyncio.run(answers(server.base_url,
                                               [(name, p) for p in PROMPTS]))
-    mismatches = [(m, p) for (m, p), text in zip(jobs, together)
-                  if text != alone[m][PROMPTS.index(p)]]
+            result.setdefault("single_model_server_startup_s", {})[name] = \
+                round(server.startup_s, 2)
+    mismatches = [{"model": m, "prompt": p, "together": text, "alone": alone[m][PROMPTS.index(p)]}
+                  for (m, p), text in zip(jobs, together) if text != alone[m][PROMPTS.index(p)]]
     result["answers_equal_single_model_servers"] = not mismatches
+    result["mismatches"] = mismatches
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

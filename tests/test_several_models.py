@@ -142,3 +142,26 @@ def test_loading_a_model_evicts_the_idle_one_while_others_serve(server, oracles)
     assert states(server.url) == {"a": True, "b": False, "c": True}
     assert metric(server.url, "loom:model_loads_total", model_name="a") == loads_a + 1
     assert metric(server.url, "loom:model_load_duration_seconds_count", model_name="a") == 2
+
+
+def test_the_command_line_names_each_model_and_refuses_ambiguity(tiny_model_dir, tmp_path):
+    from api_server.cli import build_parser, serve_configs_from_args
+    from api_server.startup_error import StartupError
+
+    def names(*flags):
+        cfgs = serve_configs_from_args(build_parser().parse_args(["serve", *flags]))
+        return [cfg.model_config.served_model_name for cfg in cfgs]
+
+    for name in ("m2", "m1"):
+        (tmp_path / name).symlink_to(tiny_model_dir)
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert names("--models-dir", str(tmp_path)) == ["m1", "m2"]
+    assert names("--model", f"x={tiny_model_dir}", "--models-dir", str(tmp_path)) == \
+        ["x", "m1", "m2"]
+    for flags, problem in (
+            (["--model", f"m1={tiny_model_dir}", "--models-dir", str(tmp_path)], "named m1"),
+            (["--models-dir", str(tmp_path), "--served-model-name", "s"], "NAME=PATH"),
+            (["--models-dir", str(tmp_path), "--max-loaded-models", "0"], "positive"),
+            (["--models-dir", str(tmp_path / "none")], "no such directory")):
+        with pytest.raises(StartupError, match=problem):
+            names(*flags)
