@@ -79,7 +79,7 @@ def step_costs(model_dir: str, size: int, threads: int, repeats: int = 5) -> dic
 
 
 # ---- 2. images per minute -------------------------------------------------------------------
-def diffusers_sequential(model_dir: str, size: int, steps: int, threads: int) -> dict:
+def diffusers_pipeline(model_dir: str, size: int, threads: int):
     import torch
     from diffusers import FluxPipeline
 
@@ -87,6 +87,12 @@ def diffusers_sequential(model_dir: str, size: int, steps: int, threads: int) ->
     pipe = FluxPipeline.from_pretrained(model_dir)
     pipe.set_progress_bar_config(disable=True)
     pipe(prompt="warm up", height=size, width=size, num_inference_steps=1)
+    return pipe
+
+
+def diffusers_sequential(pipe, size: int, steps: int) -> dict:
+    import torch
+
     started = time.perf_counter()
     for i, prompt in enumerate(PROMPTS):
         pipe(prompt=prompt, height=size, width=size, num_inference_steps=steps,
@@ -180,14 +186,18 @@ def main() -> None:
     model_dir = flux_shaped_model()
     result = {"environment": env, "shape": SHAPE, "size": args.size, "steps": args.steps,
               "threads": args.threads}
-    # In this process first, then the server (nothing of the two runs at once).
     result["step"] = step_costs(model_dir, args.size, args.threads)
-    result["diffusers"] = diffusers_sequential(model_dir, args.size, args.steps, args.threads)
+    pipe = diffusers_pipeline(model_dir, args.size, args.threads)
     log = os.path.splitext(args.out)[0] + ".server.log"
     serve = ["--image-model", model_dir, "--num-threads", str(args.threads)]
     with LoomServer(None, None, serve + args.serve_args.split(), log) as server:
         url = server.base_url
-        result["loom"] = asyncio.run(loom_concurrent(url, args.size, args.steps))
+        # Alternated, never at once (the idle server waits in poll): the machine's load
+        # drifts, each pair sees about the same.
+        result["diffusers"], result["loom"] = [], []
+        for _ in range(args.rounds):
+            result["diffusers"].append(diffusers_sequential(pipe, args.size, args.steps))
+            result["loom"].append(asyncio.run(loom_concurrent(url, args.size, args.steps)))
         model = served_model(url)
         for name in ("text_alone", "text_with_images"):
             result[name] = []
@@ -195,8 +205,9 @@ def main() -> None:
             for name, image_clients in (("text_alone", 0), ("text_with_images", 4)):
                 result[name].append(asyncio.run(text_itl(
                     url, model, 4, args.tokens, args.size, args.steps, image_clients)))
-    result["speedup"] = result["loom"]["images_per_minute"] / \
-        result["diffusers"]["images_per_minute"]
+    result["speedup"] = statistics.median(
+        loom["images_per_minute"] / diffusers["images_per_minute"]
+        for diffusers, loom in zip(result["diffusers"], result["loom"]))
     result["itl_p50_ratio"] = statistics.median(
         w["itl_p50_ms"] / a["itl_p50_ms"]
         for a, w in zip(result["text_alone"], result["text_with_images"]))
@@ -204,14 +215,16 @@ def main() -> None:
     s = result["step"]
     print(f"denoising step ({args.size}x{args.size}): {s['step_ms_batch_1']:.0f} ms alone, "
           f"{s['step_ms_batch_4']:.0f} ms for 4 batched (gain {s['batching_gain']:.2f}x)")
-    print(f"images/min, 4 requests: diffusers sequential "
-          f"{result['diffusers']['images_per_minute']:.1f}, loom concurrent "
-          f"{result['loom']['images_per_minute']:.1f} ({result['speedup']:.2f}x)")
+    for diffusers, loom in zip(result["diffusers"], result["loom"]):
+        print(f"images/min, 4 requests: diffusers sequential "
+              f"{diffusers['images_per_minute']:.1f}, loom concurrent "
+              f"{loom['images_per_minute']:.1f}")
+    print(f"loom / diffusers (median of rounds): {result['speedup']:.2f}x")
     for alone, both in zip(result["text_alone"], result["text_with_images"]):
         for name, r in (("text alone", alone), ("text with images", both)):
             print(f"{name:17s} ITL p50 {r['itl_p50_ms']:.1f} ms, p90 {r['itl_p90_ms']:.1f} ms, "
-                  f"p99 {r['itl_p99_ms']:.0f} ms, {r['text_tok_s']:.1f} tok/s, images finished meanwhile "
-                  f"{r['images_finished_meanwhile']}")
+                  f"p99 {r['itl_p99_ms']:.0f} ms, {r['text_tok_s']:.1f} tok/s, images "
+                  f"finished meanwhile {r['images_finished_meanwhile']}")
     print(f"ITL p50 with images / alone (median of rounds): {result['itl_p50_ratio']:.2f}x")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
