@@ -55,7 +55,6 @@ def serve_config_from_args(args: argparse.Namespace, model: str | None = None) -
     if not 0 < cfg.kv_cache_config.device_memory_utilization <= 1:
         raise StartupError("--gpu-memory-utilization must be in (0, 1]")
     check_ranges(settings)
-    check_sampling_defaults(cfg.model_config.sampling_params_defaults)
     check_kv_events(cfg.kv_cache_config)
     check_custom_architectures(cfg.custom_architectures)
     check_speculative(cfg.speculative_config)
@@ -74,14 +73,18 @@ def serve_config_from_args(args: argparse.Namespace, model: str | None = None) -
         name = model.served_model_name or _model_name(path)
         if path != os.path.abspath(os.path.expanduser(model.model_path)):
             name = model.served_model_name or model.model_path
+    path = gguf_in_directory(path) or path
     dtype, quantization = resolve_weights(path, model.dtype, model.quantization_encoding)
+    sampling = resolve_sampling_defaults(model.sampling_params_defaults, set(settings), path,
+                                         model.generation_config)
+    check_sampling_defaults(sampling)
     task = resolve_task(model.task, path)
     check_tensor_parallel(cfg.device_config.tensor_parallel_size, task)
     cfg = cfg.replace(lora_paths=check_lora(cfg.lora_config, path, task))
     server = cfg.server_config
     return cfg.replace(
         model_path=path, served_model_name=name, dtype=dtype, quantization_encoding=quantization,
-        task=task, devices=devices,
+        task=task, devices=devices, **msgspec.structs.asdict(sampling),
         api_key=server.api_key or os.environ.get("LOOM_API_KEY") or None,
         allowed_local_media_path=resolve_media_path(server.media.allowed_local_media_path))
 
@@ -191,6 +194,24 @@ def check_ranges(settings: dict) -> None:
         raise StartupError("--port and --limit-mm-per-prompt must be >= 0")
 
 
+def resolve_sampling_defaults(defaults: SamplingParamsDefaults, given: set[str], path: str,
+                              source: str) -> SamplingParamsDefaults:
+    """The flags' values, and for the others the model's recommended ones (vLLM's
+    `--generation-config auto`; a directory: its generation_config.json; vllm: none)."""
+    from pipelines.checkpoint.generation_config import model_sampling_defaults
+
+    if source == "vllm":
+        return defaults
+    if source != "auto" and not os.path.isdir(source):
+        raise StartupError(f"--generation-config {source}: not auto, vllm or a directory")
+    try:
+        recommended = model_sampling_defaults(path if source == "auto" else source)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return msgspec.structs.replace(defaults, **{
+        name: value for name, value in recommended.items() if name not in given})
+
+
 def check_sampling_defaults(defaults: SamplingParamsDefaults) -> None:
     """Within the bounds a request's own values have."""
     from api_server.protocol import SamplingFields
@@ -264,6 +285,15 @@ def check_kv_events(kv_cache: KVCacheConfig) -> None:
     if not kv_cache.enable_prefix_caching:
         raise StartupError("--kv-events-endpoint publishes the prefix cache's blocks: "
                            "it needs prefix caching (drop --no-prefix-caching)")
+
+
+def gguf_in_directory(path: str) -> str | None:
+    """A directory that holds one GGUF file and no config.json is served as that file (an
+    Orpheus GGUF's layout: the file, and its decoder in snac/ beside it)."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "config.json")):
+        return None
+    files = [name for name in os.listdir(path) if name.lower().endswith(".gguf")]
+    return os.path.join(path, files[0]) if len(files) == 1 else None
 
 
 def _model_name(path: str) -> str:

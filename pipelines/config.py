@@ -44,8 +44,8 @@ def images_per_prompt(text: str) -> int:
 
 class SamplingParamsDefaults(msgspec.Struct, frozen=True, kw_only=True):
     """The sampling parameters of requests that leave them out (MAX's
-    `model_config.sampling_params_defaults`; these are the server's, not read from the
-    model's generation_config.json). The API process applies them."""
+    `model_config.sampling_params_defaults`): the flags given, else (`--generation-config
+    auto`) the model's generation_config.json, else these. The API process applies them."""
     temperature: Annotated[float, Flag(
         "temperature of requests that leave it out (0: greedy)")] = 1.0
     top_p: Annotated[float, Flag("top_p of requests that leave it out")] = 1.0
@@ -87,6 +87,10 @@ class MAXModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         "generate text, or serve /v1/embeddings; auto detects an encoder (BERT-style config, "
         "sentence-transformers files) as embed", parse=parse_task,
         metavar="{auto,generate,embed}")] = None  # None: auto
+    generation_config: Annotated[str, Flag(
+        "auto: the sampling defaults no flag sets come from the model's "
+        "generation_config.json (vLLM's rule); vllm: Loom's own; or a directory holding the "
+        "generation_config.json to read")] = "auto"
     sampling_params_defaults: SamplingParamsDefaults = msgspec.field(
         default_factory=SamplingParamsDefaults)
 

@@ -46,10 +46,15 @@ LOOKAHEAD_TOKENS = 4 * TOKENS_PER_FRAME  # the decoder beside the language model
 _HUMAN_END = (END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH)
 
 
+# canopylabs' defaults: below a repetition penalty of 1.1 generations are unstable. A served
+# directory's generation_config.json and the server's flags come first
+# (pipelines/checkpoint/generation_config.py).
+SAMPLING_DEFAULTS = dict(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
+
+
 def recommended_sampling(**overrides) -> SamplingParams:
-    """canopylabs' defaults: below a repetition penalty of 1.1 generations are unstable."""
-    fields = dict(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_new_tokens=1200,
-                  stop_token_ids=[END_OF_SPEECH])
+    """The sampling of a speech request: canopylabs' defaults, then `overrides`."""
+    fields = dict(**SAMPLING_DEFAULTS, max_new_tokens=1200, stop_token_ids=[END_OF_SPEECH])
     fields.update(overrides)
     return SamplingParams(**fields)
 
@@ -105,8 +110,33 @@ def is_orpheus_directory(directory: str) -> bool:
             config = json.load(f)
     except (OSError, ValueError):
         return False
-    snac = os.path.join(directory, SNAC_SUBDIRECTORY)
     return (config.get("model_type") == "llama"
             and config.get("vocab_size", 0) >= VOCAB_SIZE
-            and os.path.isfile(os.path.join(snac, "config.json"))
-            and os.path.isfile(os.path.join(snac, "pytorch_model.bin")))
+            and _is_snac_directory(os.path.join(directory, SNAC_SUBDIRECTORY)))
+
+
+def snac_directory(model_path: str) -> str | None:
+    """The SNAC decoder of an Orpheus checkpoint: a directory's `snac/`, or for a GGUF file
+    (as llama.cpp users hold Orpheus: the file and `snac/` in one directory) the `snac/`
+    beside it; None for any other model."""
+    if os.path.isdir(model_path):
+        return os.path.join(model_path, SNAC_SUBDIRECTORY) \
+            if is_orpheus_directory(model_path) else None
+    snac = os.path.join(os.path.dirname(model_path), SNAC_SUBDIRECTORY)
+    if not (model_path.lower().endswith(".gguf") and _is_snac_directory(snac)):
+        return None
+    from pipelines.checkpoint.gguf_header import ArrayValue, HeaderError, read_header
+
+    try:
+        fields = read_header(model_path).fields
+    except (HeaderError, OSError):
+        return None
+    tokens = fields.get("tokenizer.ggml.tokens")
+    is_orpheus = (fields.get("general.architecture") == "llama"
+                  and isinstance(tokens, ArrayValue) and tokens.length >= VOCAB_SIZE)
+    return snac if is_orpheus else None
+
+
+def _is_snac_directory(directory: str) -> bool:
+    return (os.path.isfile(os.path.join(directory, "config.json"))
+            and os.path.isfile(os.path.join(directory, "pytorch_model.bin")))
