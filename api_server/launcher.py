@@ -298,7 +298,8 @@ def model_serving(cfg: PipelineConfig, engine: EngineClient, metrics: Metrics,
     model, server_cfg = cfg.model_config, cfg.server_config
     max_model_len = model.max_length  # (resolved by the CLI)
     state = ServerState(engine, server_cfg.admission)
-    speech = SpeechRoute(engine, state, metrics, tokenizer, max_model_len)
+    speech = SpeechRoute(engine, state, metrics, tokenizer, max_model_len,
+                         model.sampling_params_defaults)
     images = _images_route(engine, state, cfg, metrics)
     serving = ServingContext(engine, tokenizer, model.served_model_name, {model.model_path},
                              max_model_len, state, server_cfg, model.task, embedding_dim,

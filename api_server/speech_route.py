@@ -3,9 +3,10 @@ chunks as the worker synthesizes them (`stream_format: "audio"`), or SSE events
 `speech.audio.delta` (base64 PCM) then `speech.audio.done` with usage (`stream_format: "sse"`).
 
 Formats: `wav` (a streaming header: sizes unknown up front are 0xFFFFFFFF, which readers treat
-as "until the end") and `pcm` (raw 16-bit little-endian mono). The audio is 22,050 Hz, the
-voice's own rate (OpenAI's `pcm` is 24 kHz: we don't resample, the `X-Sample-Rate` header
-says the rate).
+as "until the end"), `pcm` (raw 16-bit little-endian mono) and `mp3` (with the `lameenc`
+package: api_server/mp3.py). The audio is at the voice's own rate (Piper's 22,050 Hz, SNAC's
+24 kHz; OpenAI's `pcm` is 24 kHz: we don't resample, the `X-Sample-Rate` header says the
+rate).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from api_server.engine_client import EngineClient, EngineDeadError, GenerationFailed
+from api_server.mp3 import Mp3Stream, mp3_available
 from api_server.off_loop import parse_body
 from api_server.protocol import RequestError
 from api_server.server_state import ServerState
@@ -29,10 +31,11 @@ from api_server.serving_context import error_response
 from api_server.speech_text import MAX_INPUT_CHARS, text_to_segments
 from pipelines import orpheus
 from pipelines.audio_generation import AudioGenerationRequest
+from pipelines.config import SamplingParamsDefaults
 from pipelines.speech_context import TTSContext
 from pipelines.status import PipelineTask
 
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg"}
 _json = msgspec.json.Encoder()
 
 
@@ -40,7 +43,7 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     model: str
     input: str
     voice: str | dict = ""
-    # OpenAI's default is mp3, which we don't encode: an omitted format means wav.
+    # OpenAI's default is mp3, which needs an optional package: an omitted format means wav.
     response_format: str = "wav"
     speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
@@ -61,12 +64,16 @@ def wav_header(sample_rate: int) -> bytes:
 
 class SpeechRoute:
     def __init__(self, engine: EngineClient, state: ServerState, metrics, tokenizer=None,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, sampling_defaults: SamplingParamsDefaults | None = None
+                 ) -> None:
         self.engine = engine
         self.state = state
         self.metrics = metrics
         self.tokenizer = tokenizer  # a speech-token model's prompts (Orpheus)
         self.max_model_len = max_model_len
+        # A speech-token model's sampling (resolved by the CLI: the flags, the model's
+        # generation_config.json, Orpheus's recommended values); None: Orpheus's.
+        self.sampling_defaults = sampling_defaults
 
     @property
     def writes_speech_tokens(self) -> bool:
@@ -96,7 +103,8 @@ class SpeechRoute:
         except RequestError as exc:
             return error_response(exc)
         if req.stream_format == "sse":
-            return StreamingResponse(self._sse(ctx), media_type="text/event-stream",
+            return StreamingResponse(self._sse(ctx, req.response_format),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return StreamingResponse(self._audio(ctx, req.response_format),
                                  media_type=MEDIA_TYPES[req.response_format],
@@ -125,7 +133,11 @@ class SpeechRoute:
                                f"{MAX_INPUT_CHARS}", param="input")
         if req.response_format not in MEDIA_TYPES:
             raise RequestError(f"response_format {req.response_format!r} is not supported; use "
-                               f"{' or '.join(MEDIA_TYPES)}", param="response_format")
+                               f"{', '.join(MEDIA_TYPES)}", param="response_format")
+        if req.response_format == "mp3" and not mp3_available():
+            raise RequestError("response_format mp3 needs the lameenc package on the server "
+                               "(pip install lameenc, in the tts extra); use wav or pcm",
+                               param="response_format")
         self.state.check_available()
         if self.writes_speech_tokens:
             return self._speech_token_context(req, voice or orpheus.VOICES[0])
@@ -153,7 +165,7 @@ class SpeechRoute:
                 request, lambda text: tokenizer.encode(text, add_special_tokens=True), voice)
         except ValueError as exc:
             raise RequestError(str(exc), param="audio_prompt_tokens") from None
-        params = orpheus.recommended_sampling()
+        params = orpheus.recommended_sampling(**self._sampling())
         max_length = min(len(ids) + params.max_new_tokens, self.max_model_len or 1 << 30)
         if len(ids) >= max_length:
             raise RequestError("input is too long for this model's context", param="input",
@@ -162,6 +174,14 @@ class SpeechRoute:
                           sampling_params=params, eos_token_ids={orpheus.END_OF_SPEECH},
                           request_id=request.id, model_name=req.model, voice=voice,
                           streaming=True)
+
+    def _sampling(self) -> dict:
+        d = self.sampling_defaults
+        if d is None:
+            return {}
+        return dict(temperature=d.temperature, top_p=d.top_p, top_k=max(d.top_k, 0),
+                    min_p=d.min_p, repetition_penalty=d.repetition_penalty,
+                    frequency_penalty=d.frequency_penalty, presence_penalty=d.presence_penalty)
 
     async def _chunks(self, ctx: TTSContext):
         """PCM bytes per segment, with metrics; raises if synthesis fails mid-way."""
@@ -178,21 +198,34 @@ class SpeechRoute:
         if seconds:
             self.metrics.audio_real_time_factor.observe(synthesis / seconds)
 
+    async def _encoded(self, ctx: TTSContext, response_format: str):
+        """(bytes in the response's format, samples they hold) per chunk; mp3: each chunk's
+        frames as LAME completes them, the rest at the end."""
+        mp3 = Mp3Stream(self.sample_rate) if response_format == "mp3" else None
+        async for pcm in self._chunks(ctx):
+            yield (mp3.encode(pcm) if mp3 else pcm), len(pcm) // 2
+        if mp3:
+            yield mp3.finish(), 0
+
     async def _audio(self, ctx: TTSContext, response_format: str):
         if response_format == "wav":
             yield wav_header(self.sample_rate)
-        async for pcm in self._chunks(ctx):
-            yield pcm
+        async for data, _ in self._encoded(ctx, response_format):
+            if data:
+                yield data
         # An error raises out of here: the chunked body ends without its terminator, which
         # the client sees as a failed download rather than a short, silent file.
 
-    async def _sse(self, ctx: TTSContext):
+    async def _sse(self, ctx: TTSContext, response_format: str):
+        """Deltas of PCM (wav and pcm: a stream of events has no file header) or of MP3."""
         samples = 0
         try:
-            async for pcm in self._chunks(ctx):
-                samples += len(pcm) // 2
+            async for data, count in self._encoded(ctx, response_format):
+                samples += count
+                if not data:
+                    continue
                 yield b"data: " + _json.encode({"type": "speech.audio.delta",
-                                                "audio": base64.b64encode(pcm).decode()}) + b"\n\n"
+                                                "audio": base64.b64encode(data).decode()}) + b"\n\n"
         except (EngineDeadError, GenerationFailed) as exc:
             yield b"data: " + _json.encode({"type": "error", "error": {
                 "message": str(exc), "type": "server_error", "param": None,
