@@ -140,7 +140,7 @@ def _load_speech(cfg: PipelineConfig, rank: int):
         return None
     from pipelines import orpheus
 
-    if orpheus.is_orpheus_directory(cfg.model_config.model_path):  # it writes speech tokens
+    if orpheus.snac_directory(cfg.model_config.model_path):  # it writes speech tokens
         from worker.device import rank_device
         from worker.speech.snac_decoder import SnacDecoder
 

@@ -90,13 +90,14 @@ class SnacDecoder:
         return cls(SNAC.from_pretrained(directory), **kwargs)
 
     @classmethod
-    def for_checkpoint(cls, model_dir: str, voice_id: str, **kwargs) -> SnacDecoder:
-        """The decoder of an Orpheus directory (its `snac/`), served as the voice `voice_id`
-        (the served model's name), on the language model's device (float32)."""
-        import os
-
-        decoder = cls.from_pretrained(os.path.join(model_dir, orpheus.SNAC_SUBDIRECTORY),
-                                      **kwargs)
+    def for_checkpoint(cls, model_path: str, voice_id: str, **kwargs) -> SnacDecoder:
+        """The decoder of an Orpheus checkpoint (its `snac/`: orpheus.snac_directory), served
+        as the voice `voice_id` (the served model's name), on the language model's device
+        (float32)."""
+        directory = orpheus.snac_directory(model_path)
+        if directory is None:
+            raise ValueError(f"{model_path} is not an Orpheus checkpoint with its snac/ decoder")
+        decoder = cls.from_pretrained(directory, **kwargs)
         decoder.voice_id, decoder.sample_rate = voice_id, decoder.decoder_sample_rate
         return decoder
 
