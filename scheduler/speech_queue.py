@@ -9,7 +9,8 @@ language model is done.
 
 Requests that have produced no audio yet go first (their first chunk comes quickly); the
 others take turns, so a long text doesn't hold back shorter ones. A speech-token decoder
-decodes the chunks of up to `max_batch` ready requests in one step; Piper one.
+decodes the chunks of up to `max_batch` ready requests in one step, as many as take about
+one chunk's time (chunk_batch_limit.py); Piper one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from pipelines import orpheus
 from pipelines.speech_context import TTSContext
+from scheduler.chunk_batch_limit import ChunkBatchLimit
 from serialization.messages import AudioChunk, AudioResult, AudioStep, ResponseBatch
 
 
@@ -33,7 +35,7 @@ class SpeechQueue:
         self.lm = lm  # the text source, for a speech-token model (None: Piper)
         self.chunk_tokens = chunk_tokens if lm is not None else 0
         self.held_back_tokens = held_back_tokens
-        self.max_batch = max_batch if lm is not None else 1
+        self.batch_limit = ChunkBatchLimit(max_batch if lm is not None else 1)
         self._step_id = 0
         self.fresh: deque[TTSContext] = deque()
         self.started: deque[TTSContext] = deque()
@@ -98,7 +100,7 @@ class SpeechQueue:
     def next_step(self) -> tuple[AudioStep, list[tuple[TTSContext, int]]] | None:
         """The next chunks of the requests whose turn it is."""
         sent: list[tuple[TTSContext, int]] = []
-        while len(sent) < self.max_batch and self.has_work:
+        while len(sent) < self.batch_limit.limit and self.has_work:
             ctx = self.take()
             sent.append((ctx, ctx._audio_chunks))
         if not sent:
@@ -111,6 +113,8 @@ class SpeechQueue:
     def after_step(self, sent: list[tuple[TTSContext, int]], result: AudioResult
                    ) -> ResponseBatch:
         failed = result.error is not None
+        if not failed:
+            self.batch_limit.record(len(sent), result.finished_at - result.started_at)
         chunks = []
         for i, (ctx, index) in enumerate(sent):
             audio = result.audio[i] if i < len(result.audio) else np.zeros(0, np.int16)

@@ -139,3 +139,24 @@ def test_speech_queue_decodes_what_the_language_model_writes_in_batched_chunks()
     assert queue.owns("a") and not queue.owns("b") and len(queue) == 1
     queue.abort({"a"})
     assert not queue.has_work and not queue.owns("a")
+
+
+def test_decoder_steps_batch_as_many_chunks_as_fit_in_one_chunks_time():
+    """A CPU's batch costs its size: the limit stays at one (one probe of two); a GPU's costs
+    about one chunk: it grows to the maximum."""
+    from scheduler.chunk_batch_limit import RETRY_STEPS, ChunkBatchLimit
+
+    cpu = ChunkBatchLimit(16)
+    cpu.record(1, 2.0)
+    assert cpu.limit == 2
+    cpu.record(2, 4.1)
+    assert cpu.limit == 1
+    for _ in range(RETRY_STEPS - 2):
+        cpu.record(1, 2.0)
+        assert cpu.limit == 1  # not probed again while the machine's load may be the same
+    gpu = ChunkBatchLimit(16)
+    gpu.record(1, 0.010)
+    for size in (2, 4, 8, 16, 16):
+        assert gpu.limit == size
+        gpu.record(size, 0.012)
+    assert gpu.limit == 16
