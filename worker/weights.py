@@ -49,11 +49,14 @@ def empty_embedding(num: int, dim: int) -> torch.nn.Embedding:
 
 
 def materialize_on_cpu(model: torch.nn.Module) -> None:
-    """Give the meta-device parameters uninitialised CPU memory, keeping tied ones tied.
+    """Give the meta-device parameters uninitialised CPU memory, keeping tied ones tied; those
+    already loaded (a GGUF file's float tensors) are kept.
     (`Module.to_empty` does this through torch._refs, whose first use imports sympy: ~0.6 s.)"""
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
             if id(param) not in done:
                 done[id(param)] = torch.nn.Parameter(
                     torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
