@@ -15,6 +15,10 @@ def test_greedy_rows_take_the_argmax():
     out = sample(logits, states(SamplingParams(), SamplingParams(top_k=5, temperature=0.0),
                                 SamplingParams(top_k=1, temperature=1.5)))
     assert out.tolist() == logits.argmax(-1).tolist()
+    # PyTorch's index where rows tie, hold a NaN or only -inf (the CPU path takes numpy's)
+    odd = torch.tensor([[1.0, 5.0, 5.0, 0.0], [1.0, float("nan"), 9.0, float("nan")],
+                        [float("-inf")] * 4])
+    assert sample(odd, states(*[SamplingParams()] * 3)).tolist() == odd.argmax(-1).tolist()
 
 
 def test_same_seed_same_tokens_whatever_the_batch():

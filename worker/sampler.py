@@ -65,12 +65,21 @@ class RequestSamplingState:
 
 def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
     """One token per row of `logits` [B, V] (float32); returns int64 [B]."""
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows)
         tokens[rows] = _sample_random(logits[rows], [states[i] for i in random_rows])
     return tokens
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, int64 [B]. On the CPU numpy's: ~10x faster than PyTorch's there
+    (262,144 logits, one thread: 57 against 620 us; 16 greedy Gemma 3 rows paid ~10 ms a
+    step), and the same index (the first maximum; a NaN counts as the maximum)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def sample_isolated(logits: torch.Tensor, states: list[RequestSamplingState],
