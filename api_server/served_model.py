@@ -13,6 +13,7 @@ import asyncio
 import glob
 import logging
 import os
+import select
 import threading
 import time
 
@@ -136,7 +137,10 @@ class ServedModel:
         while not exited.done() and self.state.stalled_for() <= limit:
             await asyncio.wait({exited}, timeout=1.0)
         if exited.done():
-            dead = [c for c in self.launcher.children if not c.is_alive()]
+            # (A child's sentinel reads closed a moment before the child can be reaped.)
+            dead = [c for c in self.launcher.children
+                    if select.select([c.sentinel], [], [], 0)[0]]
+            await asyncio.to_thread(lambda: [c.join(1.0) for c in dead])
             reason = ", ".join(f"{c.name} (exit code {c.exitcode})" for c in dead) + " died"
         else:
             exited.cancel()

@@ -1,7 +1,8 @@
 """Several models from one server (`--model NAME=PATH` given again): each answers with its own
 weights (transformers' greedy output), /v1/models says which are loaded, a model not loaded
 loads on its request (evicting the least recently used idle one, whose processes exit) while
-the others serve. (tests/test_model_pool.py: the pool's decisions, without processes.)
+the others serve, and a dead worker fails its model alone. (tests/test_model_pool.py: the
+pool's decisions, idle unloading and the memory check among them, without processes.)
 
 One server for the module: a and c are the same tiny checkpoint under two names, b the untied
 one; at most two are loaded (a and b at start)."""
@@ -142,6 +143,29 @@ def test_loading_a_model_evicts_the_idle_one_while_others_serve(server, oracles)
     assert states(server.url) == {"a": True, "b": False, "c": True}
     assert metric(server.url, "loom:model_loads_total", model_name="a") == loads_a + 1
     assert metric(server.url, "loom:model_load_duration_seconds_count", model_name="a") == 2
+
+
+def test_a_dead_worker_unloads_its_model_and_the_others_serve_on(server, oracles):
+    """(After the test above: a and c are loaded.) The worker with the largest address space
+    is one model's; killing it fails that model alone."""
+    import os
+    import signal
+
+    def vm_size(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("VmSize")).split()[1])
+
+    worker = max(child_pids(server.proc.pid), key=vm_size)
+    os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while sum(states(server.url).values()) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    (alive,) = [name for name, loaded in states(server.url).items() if loaded]
+    (dead,) = {"a", "c"} - {alive}
+    assert metric(server.url, "loom:model_unloads_total", model_name=dead, reason="failed") == 1
+    assert complete(server.url, alive, PROMPTS[2]) == oracles[alive][PROMPTS[2]]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
 def test_the_command_line_names_each_model_and_refuses_ambiguity(tiny_model_dir, tmp_path):
