@@ -90,9 +90,11 @@ class ModelRouter:
         if name is None or name not in self.pool.models and scope["path"] in DEFAULT_MODEL_PATHS:
             name = self.pool.default.name
         try:
-            if name not in self.pool.models:
+            served = self.model_serving(name)
+            if served is None:
                 raise RequestError(f"the model `{name}` does not exist", param="model",
                                    status=404, code="model_not_found")
+            name = served
             if self.draining:
                 raise RequestError("the server is not accepting requests: shutting down",
                                    status=503, code="service_unavailable")
@@ -104,6 +106,17 @@ class ModelRouter:
             await model.app(scope, _replay(body, receive), send)
         finally:
             self.pool.release(model)
+
+    def model_serving(self, name: str) -> str | None:
+        """The model that serves `name`: itself, or the loaded model with a LoRA adapter of
+        that name (--enable-lora)."""
+        if name in self.pool.models:
+            return name
+        for model in self.pool.models.values():
+            loras = model.serving.loras if model.loaded else None
+            if loras is not None and name in loras:
+                return model.name
+        return None
 
     def model_answers(self, scope) -> bool:
         """A model's routes have this path (no model is loaded for a path none has)."""
@@ -128,8 +141,13 @@ class ModelRouter:
         return json_response(self.openapi_doc)
 
     async def list_models(self, request: Request) -> Response:
-        return json_response({"object": "list",
-                              "data": [model.card() for model in self.pool.models.values()]})
+        cards = []
+        for model in self.pool.models.values():
+            cards.append(model.card())
+            loras = model.serving.loras if model.loaded else None
+            if loras is not None:  # (a loaded model's adapters, their base as parent)
+                cards += loras.model_cards(model.created)
+        return json_response({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
         model = self.pool.models.get(request.path_params["model"])
