@@ -276,8 +276,11 @@ class ModelRunner:
             if len(sample_seqs) < len(contexts):  # (a failed sequence's row left out)
                 logits = logits[torch.from_numpy(sample_seqs).to(logits.device)]
             return None, ModelOutputs(next_token_logits=logits.cpu()), sample_seqs, None, None
-        kv = self.kv_manager.fetch(contexts, step.block_tables)
         extra = {"step": step} if getattr(self.model, "reads_step", False) else {}
+        if len(verify_rows) and self._verifies_as_decodes(step, echo_plans, with_lora, extra):
+            kv = self.kv_manager.inputs(*rows_as_decodes(step), contexts)
+        else:
+            kv = self.kv_manager.fetch(contexts, step.block_tables)
         every_row = bool(echo_plans) or bool(len(verify_rows))
         inputs = self.model.prepare_initial_token_inputs(
             contexts, kv_cache_inputs=kv,
@@ -300,6 +303,19 @@ class ModelRunner:
         echo = outputs.logits[np.concatenate(echo_rows)] if echo_plans else None
         verify = outputs.logits[verify_rows] if len(verify_rows) else None
         return inputs, outputs, np.arange(len(contexts)), echo, verify
+
+    def _verifies_as_decodes(self, step: StepBatch, echo_plans: list, with_lora: bool,
+                             extra: dict) -> bool:
+        """Whether a step of decodes, some verifying proposals, runs as a step of one-token
+        rows (`rows_as_decodes`): each proposed token a row of its own over the sequence's
+        blocks, its position's KV stored before any row attends (the decode step's order, in
+        the fused native step and the Python path alike). So the verifying rows take the
+        one-token step's kernels: its speed (the weights read once for all rows), and its
+        numbers, which a prefill chunk's kernels round differently (quantized weights: greedy
+        output would then drift from the unspeculated one at near ties)."""
+        others = step.query_lens[step.num_draft_tokens == 0]
+        return (not echo_plans and not with_lora and not extra and not step.images
+                and isinstance(self.model, PagedCausalLM) and bool((others == 1).all()))
 
     def _new_state(self, new: NewRequest) -> RequestSamplingState:
         """A request's sampling state. One that cannot be built (or whose JSON schema does
@@ -517,6 +533,16 @@ def verify_proposals(logits: torch.Tensor, drafts: list[int], state: RequestSamp
     if not state.logprobs:
         return tokens, None
     return tokens, token_logprobs(raw[:len(tokens)], torch.tensor(tokens), width)
+
+
+def rows_as_decodes(step: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seq_lens, query_lens, block_tables) of the step's tokens as one-token rows, in the
+    same order: a sequence feeding q tokens becomes q rows at its last q positions, each over
+    the sequence's blocks."""
+    q = step.query_lens.astype(np.int64)
+    last = np.cumsum(q)
+    seq_lens = np.repeat(step.seq_lens.astype(np.int64) - last, q) + np.arange(1, last[-1] + 1)
+    return seq_lens, np.ones_like(seq_lens), np.repeat(step.block_tables, q, axis=0)
 
 
 def verifying_rows(step: StepBatch, verify_seqs: np.ndarray) -> np.ndarray:

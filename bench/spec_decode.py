@@ -1,0 +1,153 @@
+"""`python -m bench.spec_decode`: speculative decoding on a copy-heavy load at c=1.
+
+Chat requests that repeat or edit a 300-600-token passage (prose, a code file), one at a time,
+greedy, on one server started with `--speculative-method` (ngram by default): each prompt is
+sent with speculation and with the `speculative_decoding: false` opt-out, alternately, so
+both are measured in the same run on the same warm server. Reports output tokens/s (median
+of the repeats) of each, the acceptance (from the usage extension), and the worker's mean
+time per step: one-token decode steps of the opt-out requests, and steps with more than one
+token per sequence (the verify steps, and the prompts' prefills, one per request). Starts
+loom (the default GGUF model) unless --url names a loopback server started with speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+
+import httpx
+
+from bench import RESULTS_DIR
+from bench.endpoint import loopback_base_url, served_model
+from bench.server import LoomServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def passages() -> list[tuple[str, str]]:
+    """(task, passage): prose to repeat, and code to edit, 300-600 tokens each."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        prose = " ".join(f.read().split("\n\n")[1:4])[:1800]
+    with open(os.path.join(ROOT, "scheduler", "block_manager.py")) as f:
+        code = f.read()[:1800]
+    return [("Repeat the following text exactly, word for word:", prose),
+            ("Rewrite this Python code with the variable `table` renamed to `row`; change "
+             "nothing else:", code),
+            ("Copy this text and fix its typos:", prose.replace("the ", "teh ", 6))]
+
+
+def complete(client: httpx.Client, base_url: str, model: str, task: str, passage: str,
+             max_tokens: int, speculate: bool) -> dict:
+    body = {"model": model, "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": f"{task}\n\n{passage}"}],
+            "speculative_decoding": speculate}
+    started = time.perf_counter()
+    r = client.post(f"{base_url}/v1/chat/completions", json=body)
+    r.raise_for_status()
+    elapsed = time.perf_counter() - started
+    usage = r.json()["usage"]
+    spec = usage.get("speculative_decoding", {})
+    return {"seconds": elapsed, "tokens": usage["completion_tokens"],
+            "prompt_tokens": usage["prompt_tokens"],
+            "draft": spec.get("num_draft_tokens", 0),
+            "accepted": spec.get("num_accepted_tokens", 0)}
+
+
+def forward_times(client: httpx.Client, base_url: str) -> dict[str, tuple[float, float]]:
+    """loom:model_forward_time_seconds' (sum, count) by step kind."""
+    text = client.get(f"{base_url}/metrics").text
+    out = {}
+    for step in ("prefill", "decode"):
+        sums = re.findall(r'loom:model_forward_time_seconds_sum\{[^}]*step="%s"[^}]*\}\s+(\S+)'
+                          % step, text)
+        counts = re.findall(r'loom:model_forward_time_seconds_count\{[^}]*step="%s"[^}]*\}'
+                            r'\s+(\S+)' % step, text)
+        out[step] = (sum(map(float, sums)), sum(map(float, counts)))
+    return out
+
+
+def mean_step_ms(before: dict, after: dict, step: str) -> float | None:
+    seconds = after[step][0] - before[step][0]
+    count = after[step][1] - before[step][1]
+    return 1000 * seconds / count if count else None
+
+
+def measure(base_url: str, model: str, repeats: int, max_tokens: int) -> dict:
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    with httpx.Client(trust_env=False, timeout=600) as client:
+        complete(client, base_url, model, "Say hi.", "", 8, False)  # (warm)
+        step_ms = {True: {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]},
+                   False: {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}}
+        for _ in range(repeats):
+            for task, passage in passages():
+                for speculate in (True, False):
+                    before = forward_times(client, base_url)
+                    runs[speculate].append(complete(client, base_url, model, task, passage,
+                                                    max_tokens, speculate))
+                    after = forward_times(client, base_url)
+                    for kind in ("prefill", "decode"):
+                        step_ms[speculate][kind][0] += after[kind][0] - before[kind][0]
+                        step_ms[speculate][kind][1] += after[kind][1] - before[kind][1]
+    result = {}
+    for speculate, name in ((True, "speculative"), (False, "plain")):
+        rates = [r["tokens"] / r["seconds"] for r in runs[speculate]]
+        draft = sum(r["draft"] for r in runs[speculate])
+        accepted = sum(r["accepted"] for r in runs[speculate])
+        means = {kind: (1000 * s / n if n else None)
+                 for kind, (s, n) in step_ms[speculate].items()}
+        result[name] = {
+            "tokens_per_s_median": statistics.median(rates),
+            "tokens_per_s_each": rates,
+            "completion_tokens": [r["tokens"] for r in runs[speculate]],
+            "prompt_tokens": [r["prompt_tokens"] for r in runs[speculate]],
+            "draft_tokens": draft, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft if draft else None,
+            "step_ms_multi_token": means["prefill"], "step_ms_one_token": means["decode"],
+            "steps_multi_token": step_ms[speculate]["prefill"][1],
+            "steps_one_token": step_ms[speculate]["decode"][1],
+        }
+    result["speedup"] = (result["speculative"]["tokens_per_s_median"]
+                         / result["plain"]["tokens_per_s_median"])
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__)
+    p.add_argument("--method", default="ngram", choices=("ngram", "suffix"))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--url", default=None)
+    p.add_argument("--serve-args", default="")
+    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "spec_decode.json"))
+    args = p.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def run(base_url: str) -> dict:
+        return measure(base_url, served_model(base_url), args.repeats, args.max_tokens)
+
+    if args.url:
+        result = run(loopback_base_url(args.url))
+    else:
+        log = os.path.splitext(args.out)[0] + ".server.log"
+        serve = ["--speculative-method", args.method, *args.serve_args.split()]
+        with LoomServer(None, None, serve, log) as server:
+            result = run(server.base_url)
+    result["method"] = args.method
+    for name in ("speculative", "plain"):
+        r = result[name]
+        print(f"{name:>12}: {r['tokens_per_s_median']:6.1f} tokens/s (median of "
+              f"{len(r['tokens_per_s_each'])}), acceptance "
+              f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'}, step ms: "
+              f"one-token {r['step_ms_one_token']}, multi-token {r['step_ms_multi_token']} "
+              f"({r['steps_one_token']:.0f} / {r['steps_multi_token']:.0f} steps)")
+    print(f"speedup {result['speedup']:.2f}x ({args.method})")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
