@@ -155,8 +155,9 @@ def check_lora(lora: LoRAConfig, model_path: str, task: PipelineTask | None) -> 
         return ()
     if task not in (None, PipelineTask.TEXT_GENERATION):
         raise StartupError("--enable-lora: adapters serve text generation models")
-    if lora.max_num_loras < 1 or lora.max_lora_rank < 1:
-        raise StartupError("--max-num-loras and --max-lora-rank must be positive")
+    if not 1 <= lora.max_num_loras <= 256 or lora.max_lora_rank < 1:
+        raise StartupError("--max-num-loras must be in 1..256 (the native decode step's "
+                           "slots) and --max-lora-rank positive")
     if lora.lora_dir is not None and not os.path.isdir(lora.lora_dir):
         raise StartupError(f"--lora-dir {lora.lora_dir}: no such directory")
     try:

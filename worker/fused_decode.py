@@ -51,12 +51,16 @@ class DecodeLayer:
     window: int = 0
 
 
+class _LoRAWeights(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("rank", ctypes.c_int)]
+
+
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "mlp_norm", "attn_out_norm",
                                         "mlp_out_norm", "q_norm", "k_norm")] + [
         (name, _Projection) for name in ("qkv", "o", "gate_up", "down")] + [
         ("k_cache", _P), ("v_cache", _P), ("cos_table", _P), ("sin_table", _P),
-        ("window", ctypes.c_int)]
+        ("window", ctypes.c_int), ("lora", _LoRAWeights * 4)]
 
 
 class _ModelDims(ctypes.Structure):
@@ -73,7 +77,7 @@ if _lib is not None:
     _lib.loom_decode_layers.restype = ctypes.c_int
     _lib.loom_decode_layers.argtypes = [
         ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), ctypes.c_int,
-        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]
+        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int]
 
 
 class FusedDecode:
@@ -87,6 +91,10 @@ class FusedDecode:
                                model.norm.eps, attn.scale)
         self._layers = None
         self._cache_ptr = None
+        # LoRA (worker/lora.py): the adapters' slots, and this step's slot of each row (int32
+        # [T], -1: the base model's; None: no adapter rows).
+        self.lora = None
+        self.row_slots: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model) -> "FusedDecode | None":
@@ -107,13 +115,15 @@ class FusedDecode:
             return None
         return cls(model, packed_dtypes.pop() if packed_dtypes else torch.float32)
 
-    # Set for a step with LoRA rows (worker/lora.py): its deltas hook the Python path's
-    # projections.
-    bypass = False
+    def use_lora(self, slots) -> None:
+        """Apply the LoRA adapters of `slots` (a LoRASlots) to the rows of `row_slots`."""
+        self.lora = slots
+        self._cache_ptr = None  # (the layers' structs point at its tensors)
 
-    def applies(self, meta: AttentionMetadata) -> bool:
+    @staticmethod
+    def applies(meta: AttentionMetadata) -> bool:
         """A step whose sequences all feed one token (the rows are the sequences, in order)."""
-        return not self.bypass and len(meta.groups) == 1 and meta.groups[0].single_query
+        return len(meta.groups) == 1 and meta.groups[0].single_query
 
     def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +141,8 @@ class FusedDecode:
             self.cache_dtype == torch.bfloat16, x.data_ptr(),
             residual.data_ptr(), tokens, meta.positions.data_ptr(),
             meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
-            group.seq_lens.data_ptr(), group.block_tables.shape[1])
+            group.seq_lens.data_ptr(), group.block_tables.shape[1],
+            *self._lora_rows(tokens))
         if rc == -1:
             raise RuntimeError("the fused decode step failed: a projection has no kernel in "
                                "this build of decoder.c")
@@ -139,6 +150,15 @@ class FusedDecode:
             raise MemoryError(f"the fused decode step failed ({rc}): scratch memory could not "
                               f"be had")
         return x, residual
+
+    def _lora_rows(self, tokens: int) -> tuple[int | None, int]:
+        """(the rows' slots, the widest rank) for the kernel; (None, 0): no adapter rows."""
+        rows = self.row_slots
+        if rows is None or self.lora is None:
+            return None, 0
+        if rows.dtype != torch.int32 or rows.shape != (tokens,) or not rows.is_contiguous():
+            raise TypeError("fused decode: LoRA row slots must be int32 [T]")
+        return rows.data_ptr(), self.lora.widest_rank
 
     def _layer_weights(self, kv_cache: torch.Tensor):
         if self._cache_ptr != kv_cache.data_ptr():
@@ -154,9 +174,18 @@ class FusedDecode:
                     *norms, _projection(attn.qkv_proj), _projection(attn.o_proj),
                     _projection(mlp.gate_up_proj), _projection(mlp.down_proj),
                     kv_cache[i, 0].data_ptr(), kv_cache[i, 1].data_ptr(),
-                    spec.rotary.cos.data_ptr(), spec.rotary.sin.data_ptr(), spec.window)
+                    spec.rotary.cos.data_ptr(), spec.rotary.sin.data_ptr(), spec.window,
+                    (_LoRAWeights * 4)(*self._lora_weights(i)))
             self._cache_ptr = kv_cache.data_ptr()
         return self._layers
+
+
+    def _lora_weights(self, layer: int) -> list[_LoRAWeights]:
+        """Layer `layer`'s qkv, o, gate_up and down adapters (a NULL: none)."""
+        if self.lora is None:
+            return [_LoRAWeights()] * 4
+        return [_LoRAWeights(t.A.data_ptr(), t.B.data_ptr(), t.A.shape[2])
+                for t in self.lora.layer_targets(layer)]
 
 
 def _pointer(norm: torch.Tensor | None) -> int | None:

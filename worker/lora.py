@@ -9,8 +9,9 @@ rank padded to --max-lora-rank (a fused projection's parts side by side: qkv's A
 and the hooks never allocate. Resident adapters are kept least recently used first; one not
 resident is read from its directory when a step first needs it.
 
-Steps with adapter rows take the model's Python path (the hooks run there), not the one-call
-native decode step, whose projections are fixed in C; steps without any run as before.
+The one-call native decode step (worker/fused_decode.py, decoder.c) reads the same slot
+tensors and adds the deltas itself, each row with its own slot (`row_slots`); the hooks serve
+the Python path (prefill chunks, GPUs, models without the native step).
 """
 
 from __future__ import annotations
@@ -52,14 +53,25 @@ class LoRASlots:
         self.max_num_loras, self.max_rank = max_num_loras, max_rank
         self.resident: OrderedDict[str, tuple[int, str]] = OrderedDict()  # name: (slot, path)
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step's (slot, rows)
+        # This step's slot of each row (int32 [T], -1: the base model's), for the native
+        # decode step (worker/fused_decode.py), which reads the same tensors.
+        self.row_slots: torch.Tensor | None = None
         shapes = base_shapes(config)
         self.targets: dict[tuple[int, str], _Target] = {}
+        self._layers: list[list[_Target]] = []
         for i, layer in enumerate(model.layers):
+            self._layers.append([])
             for path, parts in TARGETS:
                 target = _Target(parts, shapes, max_num_loras, max_rank, dtype, device)
                 for part in parts:
                     self.targets[(i, part)] = target
+                self._layers[-1].append(target)
                 layer.get_submodule(path).register_forward_hook(self._hook(target))
+        self.widest_rank = 3 * max_rank  # (qkv's)
+
+    def layer_targets(self, layer: int) -> list[_Target]:
+        """Layer `layer`'s qkv, o, gate_up and down adapter weights."""
+        return self._layers[layer]
 
     def _hook(self, target: _Target):
         def add_deltas(module, inputs, output):
@@ -93,17 +105,20 @@ class LoRASlots:
         """Point the hooks at this step's rows: sequence i feeds query_lens[i] rows and runs
         `adapters[i]` (None: the base model; each resident). Returns whether any row has an
         adapter."""
-        self.groups = []
+        self.groups, self.row_slots = [], None
         named = [i for i, a in enumerate(adapters) if a is not None]
         if not named:
             return False
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
         by_slot: dict[int, list[np.ndarray]] = {}
+        row_slots = np.full(int(ends[-1]), -1, np.int32)
         for i in named:
             slot = self.resident[adapters[i].name][0]
             by_slot.setdefault(slot, []).append(np.arange(starts[i], ends[i]))
+            row_slots[starts[i]:ends[i]] = slot
         device = next(iter(self.targets.values())).A.device
+        self.row_slots = torch.from_numpy(row_slots).to(device)
         for slot, ranges in by_slot.items():
             rows = np.concatenate(ranges)
             whole = len(rows) == int(ends[-1])
@@ -111,7 +126,7 @@ class LoRASlots:
         return True
 
     def clear_step(self) -> None:
-        self.groups = []
+        self.groups, self.row_slots = [], None
 
     # ---- residency --------------------------------------------------------------------------
     def _make_resident(self, adapter: LoRARequest, keep: set[str]) -> None:

@@ -155,8 +155,11 @@ class ModelRunner:
                 or not hasattr(self.model, "layers"):
             raise ValueError("--enable-lora: LoRA adapters are served over one worker's "
                              "Llama-family or Gemma 3 text model (no --tensor-parallel-size)")
-        return LoRASlots(self.model, self.config, lora.max_num_loras, lora.max_lora_rank,
-                         self.model.compute_dtype, self.device)
+        slots = LoRASlots(self.model, self.config, lora.max_num_loras, lora.max_lora_rank,
+                          self.model.compute_dtype, self.device)
+        if getattr(self.model, "fused_decode", None) is not None:
+            self.model.fused_decode.use_lora(slots)
+        return slots
 
     def _set_lora_step(self, step: StepBatch, states: list[RequestSamplingState]) -> bool:
         """Load the step's adapters and point their hooks at their rows; a request whose
@@ -291,8 +294,8 @@ class ModelRunner:
             rows = [last_rows_of(step)[sample_seqs] if self.samples else sample_seqs[:0]]
             inputs.narrow(np.concatenate(rows + echo_rows + [verify_rows]), len(rows[0]))
         fused = getattr(self.model, "fused_decode", None)
-        if fused is not None:  # (its projections are fixed in C: adapter rows take Python's)
-            fused.bypass = with_lora
+        if fused is not None and self.loras is not None:  # (it adds the deltas in C)
+            fused.row_slots = self.loras.row_slots if with_lora else None
         outputs = self.model.execute(inputs).to_host()
         if narrowed:
             num_echo = sum(len(r) for r in echo_rows)

@@ -39,8 +39,18 @@ typedef struct Projection {
     const struct Projection *next;
 } Projection;
 
+/* One projection's LoRA adapters (worker/lora.py), one slot each: a [slots, K, rank] and
+ * b [slots, rank, N] float32, a fused projection's parts side by side (zeros where an adapter
+ * has a smaller rank or no delta for a part); a == NULL: none. */
+typedef struct {
+    const float *a, *b;
+    int rank;
+} LoRAWeights;
+enum { LORA_MAX_SLOTS = 256 }; /* slots beyond are base rows */
+
 /* One layer's weights: projections, norms (float32; NULL: the layer has none there), its KV
- * cache (float32 or, in a bfloat16 model, bfloat16), its rotary tables and window. */
+ * cache (float32 or, in a bfloat16 model, bfloat16), its rotary tables and window, and the
+ * LoRA adapters of its qkv, o, gate_up and down projections. */
 typedef struct {
     const float *input_norm, *mlp_norm;
     const float *attn_out_norm, *mlp_out_norm; /* Gemma 3's post-attention / -feedforward */
@@ -49,6 +59,7 @@ typedef struct {
     void *k_cache, *v_cache;              /* [num_blocks, block_size, kv_heads, head_dim] */
     const float *cos_table, *sin_table;   /* [positions, head_dim] */
     int window;                           /* attend to the last `window` tokens; 0: all */
+    LoRAWeights lora[4];
 } LayerWeights;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -127,6 +138,77 @@ static void linear(const Projection *p, const float *x, int64_t ldx, float *y, i
     linear_part(p, x, ldx, y, ldy, M, N, K, mem, threads, failed);
 }
 
+/* The step's adapter rows grouped by slot (a counting sort of row_slots): group g is slot
+ * slot[g], rows order[start[g] .. start[g + 1]). */
+typedef struct {
+    int groups;
+    int slot[LORA_MAX_SLOTS], start[LORA_MAX_SLOTS + 1];
+    int order[]; /* [T] */
+} LoRAGroups;
+
+static LoRAGroups *lora_groups(const int32_t *row_slots, int T) {
+    LoRAGroups *g = malloc(sizeof(LoRAGroups) + sizeof(int) * (size_t)T);
+    if (!g)
+        return NULL;
+    int count[LORA_MAX_SLOTS] = {0};
+    for (int t = 0; t < T; t++)
+        if (row_slots[t] >= 0 && row_slots[t] < LORA_MAX_SLOTS)
+            count[row_slots[t]]++;
+    g->groups = 0;
+    int at = 0;
+    for (int s = 0; s < LORA_MAX_SLOTS; s++) {
+        if (!count[s])
+            continue;
+        g->slot[g->groups] = s;
+        g->start[g->groups++] = at;
+        for (int t = 0; t < T; t++)
+            if (row_slots[t] == s)
+                g->order[at++] = t;
+    }
+    g->start[g->groups] = at;
+    return g;
+}
+
+/* y[t] += (x[t] a_s) b_s for each row t of an adapter (slot s), by the team: Punica's
+ * BGMV, each row its own adapter. The team splits the rows in slot order, so a thread's rows
+ * mostly share one adapter's a and b, read from its cache after the first; the loops run
+ * along the rank, then along the outputs, so both vectorize, and a rank column the adapter
+ * leaves zero costs no pass over b. One worksharing loop: one barrier per projection (on a
+ * busy machine each costs more than the arithmetic). `u`: [T, rank] scratch. */
+static void lora_add(const LoRAWeights *l, const LoRAGroups *g, const float *x, int64_t ldx,
+                     float *y, int64_t ldy, int N, int K, float *u) {
+    if (!l->a || !g)
+        return;
+    const int rank = l->rank, rows = g->start[g->groups];
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int t = g->order[r];
+        int gi = 0;
+        while (r >= g->start[gi + 1])
+            gi++;
+        const float *a = l->a + (int64_t)g->slot[gi] * K * rank;
+        const float *b = l->b + (int64_t)g->slot[gi] * rank * N;
+        const float *xt = x + (int64_t)t * ldx;
+        float *yt = y + (int64_t)t * ldy, *ut = u + (int64_t)t * rank;
+        for (int k = 0; k < rank; k++)
+            ut[k] = 0.0f;
+        for (int j = 0; j < K; j++) {
+            const float xj = xt[j];
+            const float *aj = a + (int64_t)j * rank;
+            for (int k = 0; k < rank; k++)
+                ut[k] += xj * aj[k];
+        }
+        for (int k = 0; k < rank; k++) {
+            const float uk = ut[k];
+            if (uk == 0.0f)
+                continue;
+            const float *bk = b + (int64_t)k * N;
+            for (int n = 0; n < N; n++)
+                yt[n] += uk * bk[n];
+        }
+    }
+}
+
 /* Whether every quantized part of p has a kernel here for inputs of K. */
 static int projection_ok(const Projection *p, int K) {
     for (; p; p = p->next)
@@ -149,7 +231,8 @@ static int projection_ok(const Projection *p, int K) {
 int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDims *d, int bf16,
                        float *x, float *residual, int T, const int64_t *positions,
                        const int64_t *slots, const int32_t *block_tables,
-                       const int32_t *seq_lens, int max_blocks) {
+                       const int32_t *seq_lens, int max_blocks, const int32_t *lora_slots,
+                       int lora_rank) {
     const int hidden = d->hidden, inter = d->intermediate;
     const int q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     const int qkv_width = q_size + 2 * kv_size;
@@ -167,10 +250,14 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
     float *attn = malloc(sizeof(float) * (size_t)T * q_size);
     float *gate_up = malloc(sizeof(float) * (size_t)T * 2 * inter);
     float *act = malloc(sizeof(float) * (size_t)T * inter);
+    /* lora_rank: the widest of the projections' (0: no adapter rows this step) */
+    float *xa = malloc(sizeof(float) * (size_t)T * (lora_rank > 0 ? lora_rank : 1));
+    LoRAGroups *lg = lora_rank > 0 && lora_slots ? lora_groups(lora_slots, T) : NULL;
     const int head_dim = d->head_dim;
     char *mem = ql_scratch_for(ql_acts_bytes(T, widest));
     int failed = 0;
-    if (!h || !qkv || !q || !attn || !gate_up || !act || !mem) {
+    if (!h || !qkv || !q || !attn || !gate_up || !act || !xa || !mem ||
+        (lora_rank > 0 && lora_slots && !lg)) {
         failed = 1;
         goto done;
     }
@@ -195,6 +282,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
             PROFILE_MARK(PART_NORM);
             linear(&L->qkv, h, hidden, qkv, qkv_width, T, qkv_width, hidden, mem, threads,
                    &failed);
+            lora_add(&L->lora[0], lg, h, hidden, qkv, qkv_width, qkv_width, hidden, xa);
             PROFILE_MARK(PART_QKV);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -231,6 +319,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                                 L->window, d->scale, threads, &failed);
             PROFILE_MARK(PART_ATTENTION);
             linear(&L->o, attn, q_size, x, hidden, T, hidden, q_size, mem, threads, &failed);
+            lora_add(&L->lora[1], lg, attn, q_size, x, hidden, hidden, q_size, xa);
             PROFILE_MARK(PART_O);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -246,6 +335,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
             PROFILE_MARK(PART_POST_ATTN_NORM);
             linear(&L->gate_up, h, hidden, gate_up, 2 * inter, T, 2 * inter, hidden, mem,
                    threads, &failed);
+            lora_add(&L->lora[2], lg, h, hidden, gate_up, 2 * inter, 2 * inter, hidden, xa);
             PROFILE_MARK(PART_GATE_UP);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -258,6 +348,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
             }
             PROFILE_MARK(PART_ACT);
             linear(&L->down, act, inter, x, hidden, T, hidden, inter, mem, threads, &failed);
+            lora_add(&L->lora[3], lg, act, inter, x, hidden, hidden, inter, xa);
             if (L->mlp_out_norm) {
 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t++)
@@ -274,5 +365,7 @@ done:
     free(attn);
     free(gate_up);
     free(act);
+    free(xa);
+    free(lg);
     return failed ? -2 : 0;
 }
