@@ -3,6 +3,7 @@ the HTTP API, and the teacher-forced agreement check against transformers on the
 (tests/test_gguf_serving.py's docstring states the criterion and why)."""
 
 import asyncio
+import hashlib
 import os
 import shutil
 import tempfile
@@ -83,10 +84,12 @@ class GGUFOracle:
 
         from pipelines.checkpoint.default_model import cache_dir
 
-        info = os.stat(gguf_path)
+        # Keyed by the file's content, not its time: reinstalling the package that ships it
+        # (every fresh environment) rewrites the same bytes with a new time.
+        with open(gguf_path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
         stem = os.path.splitext(os.path.basename(gguf_path))[0]
-        self.saved = os.path.join(cache_dir(), "oracles",
-                                  f"{stem}-{info.st_size}-{info.st_mtime_ns}")
+        self.saved = os.path.join(cache_dir(), "oracles", f"{stem}-{digest}")
         self._model = None
         if not os.path.isfile(os.path.join(self.saved, "config.json")):
             self._save(gguf_path)
