@@ -77,8 +77,12 @@ def _build_privately(gguf_path: str) -> str:
 
 def _cached_dir(gguf_path: str) -> str:
     real = os.path.realpath(gguf_path)
-    stat = os.stat(real)
-    digest = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    # Keyed by the metadata the tokenizer is read from (the bytes before the first tensor),
+    # not the file's path and time: every fresh install of a package that ships the file
+    # rewrites the same bytes somewhere else, and would otherwise read its tokenizer again.
+    header = read_header(real)
+    metadata_end = min((t.offset for t in header.tensors), default=len(header.data))
+    digest = hashlib.sha256(header.data[:metadata_end])
     for arch, template in sorted(FALLBACK_TEMPLATES.items()):  # a changed one: rebuilt
         digest.update(f"\0{arch}\0{template}".encode())
     key = digest.hexdigest()
