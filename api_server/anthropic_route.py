@@ -91,7 +91,7 @@ class AnthropicRoute:
                 large, self._job, req, sampling_of(req), req.max_tokens, large))
         except RequestError as exc:
             return error_response(exc)
-        message = _MessageBuilder(serving.model_name, run)
+        message = _MessageBuilder(serving.model_name_for(req.model), run)
         if req.stream:
             return await serving.stream_events(self._events(run, message), run.first)
         return await serving.collect(request, self._body(run, message))

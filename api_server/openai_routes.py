@@ -81,7 +81,7 @@ class OpenAIRoutes:
             return await self.serving.sse(
                 self._completion_chunks(response_id, streams, choices, req), contexts[::n])
         return await self.serving.collect(
-            request, self._completion_body(response_id, streams, choices, n))
+            request, self._completion_body(response_id, streams, choices, req))
 
     async def _completion_chunks(self, response_id, streams, choices, req: CompletionRequest):
         created = int(time.time())
@@ -89,7 +89,7 @@ class OpenAIRoutes:
 
         def chunk(index: int, text: str, logprobs, finish) -> dict:
             return {"id": response_id, "object": "text_completion", "created": created,
-                    "model": self.serving.model_name,
+                    "model": self.serving.model_name_for(req.model),
                     "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish}]}
 
@@ -100,10 +100,11 @@ class OpenAIRoutes:
                 yield chunk(d.index, text, logprobs, d.finish_reason)
         if req.stream_options and req.stream_options.include_usage:
             yield {"id": response_id, "object": "text_completion", "created": created,
-                   "model": self.serving.model_name, "choices": [], "usage": usage.body()}
+                   "model": self.serving.model_name_for(req.model), "choices": [], "usage": usage.body()}
 
-    async def _completion_body(self, response_id: str, streams, choices, n: int) -> dict:
-        usage = _Usage(n)
+    async def _completion_body(self, response_id: str, streams, choices,
+                               req: CompletionRequest) -> dict:
+        usage = _Usage(req.n)
         texts = [[] for _ in choices]
         finish: dict[int, str] = {}
         async for d in merge_choices(streams):
@@ -114,7 +115,7 @@ class OpenAIRoutes:
         body = [{"index": i, "text": "".join(texts[i]), "logprobs": choices[i].all_logprobs(),
                  "finish_reason": finish.get(i)} for i in range(len(choices))]
         return {"id": response_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.serving.model_name, "choices": body, "usage": usage.body()}
+                "model": self.serving.model_name_for(req.model), "choices": body, "usage": usage.body()}
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -175,7 +176,7 @@ class OpenAIRoutes:
 
         def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
             return {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.serving.model_name,
+                    "model": self.serving.model_name_for(req.model),
                     "choices": [{"index": index, "delta": delta,
                                  "logprobs": None if logprobs is None else {"content": logprobs},
                                  "finish_reason": finish}]}
@@ -215,7 +216,7 @@ class OpenAIRoutes:
                 yield chunk(d.index, {}, finish)
         if req.stream_options and req.stream_options.include_usage:
             yield {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                   "model": self.serving.model_name, "choices": [], "usage": usage.body()}
+                   "model": self.serving.model_name_for(req.model), "choices": [], "usage": usage.body()}
 
     async def _chat_body(self, response_id: str, deltas: AsyncIterator[ChatDelta],
                          req: ChatCompletionRequest) -> dict:
@@ -246,7 +247,7 @@ class OpenAIRoutes:
                             "logprobs": {"content": logprobs[i]} if req.logprobs else None,
                             "finish_reason": finish.get(i)})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.serving.model_name, "choices": choices, "usage": usage.body()}
+                "model": self.serving.model_name_for(req.model), "choices": choices, "usage": usage.body()}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:

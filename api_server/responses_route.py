@@ -64,7 +64,7 @@ class ResponsesRoute:
         except RequestError as exc:
             return error_response(exc)
         store = serving.responses_store_default if req.store is None else req.store
-        builder = _ResponseBuilder(serving.model_name, req, run, store,
+        builder = _ResponseBuilder(serving.model_name_for(req.model), req, run, store,
                                    serving.sampling_defaults)
         if req.stream:
             return await serving.stream_events(self._events(run, builder, conversation),

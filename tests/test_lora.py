@@ -113,6 +113,7 @@ async def complete(client, url, model, prompt_ids):
         "model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
         "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True}, timeout=120)
     assert r.status_code == 200, r.text
+    assert r.json()["model"] == model  # (an adapter's answer names the adapter, as vLLM's)
     lp = r.json()["choices"][0]["logprobs"]
     return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
 
@@ -147,6 +148,29 @@ def test_each_adapter_alone_matches_peft(server, oracle, prompt_ids):
         check(got, oracle[name], name)
     assert oracle["alpha"][0] != oracle[None][0] or \
         abs(results[1][1][0] - results[0][1][0]) > 1e-3  # (the adapters do change the model)
+
+
+def test_every_api_names_the_adapter_that_answered(server):
+    """Chat (whole and streamed), Responses and Anthropic Messages echo the requested
+    adapter's name in `model`, as OpenAI clients and routers read it."""
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"model": "beta", "messages": msgs, "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "beta"
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={**chat, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {"beta"}
+    r = httpx.post(server.url + "/v1/responses", timeout=60,
+                   json={"model": "beta", "input": "hi", "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "beta"
+    r = httpx.post(server.url + "/v1/messages", timeout=60,
+                   json={"model": "beta", "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "beta"
 
 
 def test_a_batch_mixing_base_and_three_adapters_matches_peft(server, oracle, prompt_ids):
