@@ -12,7 +12,8 @@ the real snac_24khz config (19.8 M parameters, random weights).
    prompt through /v1/completions) plus one decoder call on that window (in this process).
 2. c=4: four speech requests at once: real-time factor (wall time / audio seconds).
 3. Text sharing the model: one streaming /v1/completions client's inter-token latency alone,
-   then while four speech requests stream.
+   while four speech requests stream, and (the control) while four text requests of as many
+   tokens, sampled as Orpheus samples, share the batch without a decoder.
 """
 
 from __future__ import annotations
@@ -153,6 +154,18 @@ async def measure(base_url: str, model_dir: str, text_tokens: int) -> dict:
             *(speak(client, base_url, f"{TEXT} [{i}]") for i in range(4)),
             text_while_speaking())
         wall = time.perf_counter() - started
+        # The control: four text requests in the speech requests' place (sampled as Orpheus
+        # samples, longer than the text client's), no decoder: what sharing the language
+        # model's batch costs the text client by itself.
+        async def text_beside_text():
+            await asyncio.sleep(1.0)
+            return await complete(client, base_url, prompt_ids(33, 64), text_tokens,
+                                  temperature=0)
+
+        *_, control = await asyncio.gather(
+            *(complete(client, base_url, prompt_ids(50 + i, len(prompt)), 2 * text_tokens,
+                       **SAMPLING) for i in range(4)),
+            text_beside_text())
     decoder_s = decoder_call_seconds(model_dir, first_chunk_tokens // orpheus.TOKENS_PER_FRAME)
     tokens_s = statistics.median(token_times)
     first_audio = statistics.median(s["first_audio_s"] for s in singles)
@@ -168,6 +181,7 @@ async def measure(base_url: str, model_dir: str, text_tokens: int) -> dict:
                "runs": four},
         "text_alone": text_alone,
         "text_with_4_speech": itl_stats(stamps),
+        "text_with_4_text_sampled_as_speech": itl_stats(control),
     }
 
 
@@ -206,7 +220,8 @@ def main() -> None:
     print(f"c=4 RTF {c4['rtf_median']:.2f} (median), {c4['audio_s_per_wall_s']:.2f} s of audio "
           f"per s; first audio {c4['first_audio_s_median']*1000:.0f} ms")
     alone, shared = result["text_alone"], result["text_with_4_speech"]
-    for name, r in (("text alone", alone), ("text + 4 speech", shared)):
+    for name, r in (("text alone", alone), ("text + 4 speech", shared),
+                    ("text + 4 text", result["text_with_4_text_sampled_as_speech"])):
         print(f"{name:16s} ITL p50 {r['itl_p50_ms']:.1f} ms, p90 {r['itl_p90_ms']:.1f}, "
               f"p99 {r['itl_p99_ms']:.1f}, max {r['itl_max_ms']:.0f}, mean {r['itl_mean_ms']:.1f}")
     print(f"ITL p50 ratio {shared['itl_p50_ms'] / alone['itl_p50_ms']:.2f}")
