@@ -161,8 +161,8 @@ def write_orpheus_gguf(hf_dir: str, target_dir: str) -> str:
 
 def cached_orpheus_gguf(hf_dir: str, frames: int) -> str:
     """write_orpheus_gguf's directory for the tiny Orpheus of `frames` (seeded: the same
-    file every time), kept under ~/.cache/loom: at the same path, size and time the file's
-    tokenizer, which takes minutes to read out of 157k tokens, is read once per machine."""
+    file every time), written once under ~/.cache/loom (its tokenizer, minutes to read out of
+    157k tokens on a busy machine, is then read from Loom's cache)."""
     directory = Path(os.path.expanduser(f"~/.cache/loom/tiny-orpheus-gguf-{frames}f-v1"))
     if not directory.exists():
         staging = write_orpheus_gguf(hf_dir, f"{directory}.{os.getpid()}.tmp")
