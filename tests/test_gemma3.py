@@ -125,7 +125,11 @@ def test_config_of_older_checkpoints():
         model_config_from_dict({**raw, "use_bidirectional_attention": True})
     llama = model_config_from_dict({**raw, "architectures": ["MistralForCausalLM"]})
     assert model_class(llama) is LlamaForCausalLM
-    assert resolve_max_model_len(llama, None) == 512  # the Llama family still clamps
+    # Mistral honours its window on every layer, so it no longer caps the context; the rest
+    # of the Llama family (a Llama config with a window) attends over everything: it still clamps.
+    assert resolve_max_model_len(llama, None) == 32768
+    plain = model_config_from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
+    assert resolve_max_model_len(plain, None) == 512
 
 
 def test_greedy_matches_transformers_alone(gemma):
