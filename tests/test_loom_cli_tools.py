@@ -82,20 +82,13 @@ def test_loom_chat_ctrl_c_stops_the_answer_on_the_server(client_server):
     chat = loom("chat", "--url", srv.url, "--max-tokens", "960")
     try:
         chat.expect(">>> ")
-        # A 960-token answer of the tiny model can end within a second: should it end before
-        # the key arrives, the key reaches the prompt (a fresh line, asked again): retry.
-        for _ in range(5):
-            aborted = metric(srv, "loom:request_success_total", 'finished_reason="abort"')
-            chat.sendline("Tell me a long story")
-            chat.expect("Tell me a long story\r\n")  # (the terminal's echo of the line)
-            chat.expect(r"\S{3}")  # the answer has begun
-            chat.sendintr()
-            stopped = chat.expect([r"\[stopped\]", ">>> "]) == 0
-            chat.expect(">>> ")
-            if stopped:
-                break
-        else:
-            pytest.fail("Ctrl-C never stopped an answer in 5 tries")
+        aborted = metric(srv, "loom:request_success_total", 'finished_reason="abort"')
+        chat.sendline("Tell me a long story")
+        chat.expect("Tell me a long story\r\n")  # (the terminal's echo of the line)
+        chat.expect(r"\S{3}")  # the answer has begun
+        chat.sendintr()
+        chat.expect(r"\[stopped\]")
+        chat.expect(">>> ")
         # The connection closed, so the server aborted the request (not run to its length).
         deadline = time.monotonic() + 30
         while metric(srv, "loom:request_success_total", 'finished_reason="abort"') == aborted:
