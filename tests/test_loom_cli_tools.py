@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 
@@ -24,10 +25,14 @@ def loom(*args: str, timeout: float = 60):
 
 
 def terminal(program: str, args: list[str], timeout: float):
+    # A terminal's program starts with Ctrl-C's default action, as a shell gives it, whatever
+    # pytest inherited (a background job of a non-interactive shell ignores SIGINT, and an
+    # ignored signal stays ignored across exec).
     return pexpect.spawn(program, args, cwd=ROOT,
                          env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "TERM": "dumb",
                               "NO_PROXY": "*"},
-                         encoding="utf-8", timeout=timeout, dimensions=(40, 200))
+                         encoding="utf-8", timeout=timeout, dimensions=(40, 200),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def metric(server, name: str, labels: str = "") -> float:
