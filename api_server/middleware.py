@@ -53,17 +53,7 @@ def limit_body_size(app, max_bytes: int):
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await app(scope, replay, send)
+        return await app(scope, replay_body(b"".join(chunks), receive), send)
 
     return middleware
 
@@ -107,3 +97,18 @@ def _basic_password(authorization: bytes) -> bytes:
         return base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
     except ValueError:
         return b""
+
+
+def replay_body(body: bytes, receive):
+    """An ASGI `receive` that hands the app the already-read `body` once, then what the
+    client sends next (its disconnect)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

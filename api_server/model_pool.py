@@ -18,6 +18,7 @@ from api_server.protocol import RequestError
 from api_server.served_model import ServedModel
 from api_server.startup_error import StartupError
 from pipelines.config import ModelPoolConfig
+from processes.host_memory import available_memory_bytes
 
 logger = logging.getLogger("loom")
 
@@ -25,17 +26,7 @@ GiB = 1 << 30
 LOAD_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (worker/kv_cache.py reads the same; this process does
-    not import PyTorch)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+
 
 
 class ModelPool:

@@ -32,6 +32,7 @@ from api_server.launcher import (
     check_exposure,
     ready_line,
 )
+from api_server.middleware import replay_body
 from api_server.model_pool import ModelPool
 from api_server.openapi import build_openapi
 from api_server.protocol import RequestError
@@ -103,7 +104,7 @@ class ModelRouter:
         except RequestError as exc:
             return await error_response(exc)(scope, receive, send)
         try:
-            await model.app(scope, _replay(body, receive), send)
+            await model.app(scope, replay_body(body, receive), send)
         finally:
             self.pool.release(model)
 
@@ -193,19 +194,6 @@ async def _read_body(receive) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
-
-
-def _replay(body: bytes, receive):
-    replayed = False
-
-    async def replay():
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 # ---- `loom serve` with several models -------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 import torch
 
 from pipelines.checkpoint.model_config import ModelConfig
+from processes.host_memory import available_memory_bytes
 from worker import hugepages
 
 logger = logging.getLogger(__name__)
@@ -21,16 +22,7 @@ DEFAULT_KV_FRACTION = 0.4
 DEFAULT_KV_CAP_BYTES = 4 * GiB
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what the kernel can hand out without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+
 
 
 def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
