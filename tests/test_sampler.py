@@ -3,6 +3,7 @@
 import torch
 
 from pipelines import SamplingParams
+from worker import sampler
 from worker.sampler import RequestSamplingState, sample
 
 
@@ -79,3 +80,36 @@ def test_draws_skip_a_zero_probability_token_between_others():
     counts = torch.bincount(draws, minlength=4).float() / 4000
     assert counts[1] == 0
     assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_a_large_vocabulary_is_filtered_as_a_full_ranking_would(monkeypatch):
+    # Past a few thousand tokens the filters rank only the tokens near each row's best one
+    # (a full sort of Orpheus' 157k vocabulary took ~25 ms a row); the kept tokens and their
+    # probabilities must be the full ranking's, for peaked and flat rows alike.
+    torch.manual_seed(5)
+    vocab = 60_000
+    logits = torch.randn(6, vocab) * torch.tensor([[8.0], [4.0], [2.0], [1.0], [6.0], [3.0]])
+    params = [SamplingParams(top_k=0, top_p=0.9), SamplingParams(top_k=0, min_p=0.05),
+              SamplingParams(top_k=40, top_p=0.95, temperature=0.7),
+              SamplingParams(top_k=5000), SamplingParams(top_k=0, top_p=0.5, min_p=0.1),
+              SamplingParams(top_k=0, top_p=0.8, temperature=1.3)]
+    candidates = sampler._filter_candidates
+    used = []
+    monkeypatch.setattr(sampler, "_filter_candidates",
+                        lambda *a: used.append(candidates(*a)) or used[-1])
+    fast = torch.cat([sampler.probabilities(logits[i:i + 1], p) for i, p in enumerate(params)])
+    batched, batched_ids = sampler._filtered_probs(logits, params)
+    assert all(r is not None for r in used)  # (the candidates' path was taken every time)
+    monkeypatch.setattr(sampler, "_filter_candidates", lambda *a: None)
+    full = torch.cat([sampler.probabilities(logits[i:i + 1], p) for i, p in enumerate(params)])
+    assert torch.equal(fast > 0, full > 0)
+    assert torch.allclose(fast, full, rtol=1e-5, atol=1e-7)
+    scattered = torch.zeros(logits.shape).scatter_(1, batched_ids, batched)
+    assert torch.allclose(scattered / scattered.sum(-1, keepdim=True), full,
+                          rtol=1e-5, atol=1e-7)
+    # A flat row whose top-p reaches far past the near tokens is ranked in full.
+    used.clear()
+    monkeypatch.setattr(sampler, "_filter_candidates",
+                        lambda *a: used.append(candidates(*a)) or used[-1])
+    flat = sampler.probabilities(torch.randn(1, vocab) * 0.1, SamplingParams(top_k=0, top_p=0.99))
+    assert used == [None] and int((flat > 0).sum()) > vocab // 2

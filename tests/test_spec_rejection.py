@@ -5,6 +5,8 @@ target's argmax."""
 import numpy as np
 import torch
 
+from pipelines import SamplingParams
+from worker.sampler import probabilities
 from worker.speculative.rejection import rejection_sample, residual_distribution
 
 # Chi-square critical value at significance 0.001 for 4 degrees of freedom (5 tokens): a
@@ -103,3 +105,20 @@ def test_the_same_seed_gives_the_same_tokens():
              for _ in range(50)]
             for generator in (torch.Generator().manual_seed(6), torch.Generator().manual_seed(6))]
     assert runs[0] == runs[1]
+
+
+def test_a_filtered_target_keeps_its_distribution():
+    # The target samples with top-p: the rejection rule must weigh a proposal by its
+    # probability among the kept tokens (what `sample` draws from), not by its unfiltered one.
+    logits = torch.tensor([[0.4, 0.25, 0.2, 0.1, 0.05]]).log().expand(3, -1)
+    params = SamplingParams(top_k=0, top_p=0.8, seed=0)
+    target = probabilities(logits, params)
+    kept = torch.tensor([0.4, 0.25, 0.2, 0.0, 0.0]) / 0.85
+    assert torch.allclose(target[0], kept)
+    generator = torch.Generator().manual_seed(4)
+    counts = np.zeros(5)
+    for _ in range(DRAWS):
+        out = rejection_sample(target, torch.tensor([0, 1]), None, generator=generator)
+        counts[int(out[0])] += 1
+    assert counts[3:].sum() == 0
+    assert chi_square(counts[:3], kept[:3]) < 13.816  # (2 degrees of freedom, 0.001)
