@@ -271,9 +271,6 @@ def check_speculative(spec: SpeculativeConfig) -> None:
         raise StartupError("--draft-model-path goes with --speculative-method draft")
     if spec.speculative_disable_by_batch_size < 1:
         raise StartupError("--speculative-disable-by-batch-size must be positive")
-    if method == "draft":
-        # (Proposals from a draft model need it run in the worker, with its own KV cache.)
-        raise StartupError("--speculative-method draft: not served yet; use ngram or suffix")
 
 
 def check_kv_events(kv_cache: KVCacheConfig) -> None:
@@ -403,10 +400,31 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
         except (FileNotFoundError, UnsupportedModelError, ValueError, KeyError) as exc:
             raise StartupError(f"--model {path}: {exc}") from None
     cfg = resolve_image_model(cfg)
+    cfg = resolve_draft_model(cfg, tokenizer, max_length)
     budget = cfg.max_batch_input_tokens
     if not cfg.enable_chunked_prefill:  # (a whole prompt in one step)
         budget = max(budget, max_length)
     return cfg.replace(max_length=max_length, tokenizer=tokenizer, max_batch_input_tokens=budget)
+
+
+def resolve_draft_model(cfg: PipelineConfig, tokenizer: str, max_length: int) -> PipelineConfig:
+    """--draft-model-path as an absolute path, checked against the served model: a text
+    model of Loom's own whose tokenizer is the same (its proposals are token ids) and whose
+    positions reach the served context length."""
+    from pipelines.checkpoint.draft_model import DraftModelError, check_draft_model
+
+    path = cfg.speculative_config.draft_model_path
+    if path is None:
+        return cfg
+    if cfg.model_config.task is not PipelineTask.TEXT_GENERATION:
+        raise StartupError("--speculative-method draft speeds up text generation models")
+    path = resolve_model_alias(path)
+    path = gguf_in_directory(path) or path
+    try:
+        check_draft_model(path, tokenizer, max_length)
+    except DraftModelError as exc:
+        raise StartupError(f"--draft-model-path {path}: {exc}") from None
+    return cfg.replace(draft_model_path=path)
 
 
 def resolve_image_model(cfg: PipelineConfig) -> PipelineConfig:

@@ -142,14 +142,15 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     fields under their names."""
     speculative_method: Annotated[str, Flag(
         "propose tokens to verify several in one step: ngram (prompt lookup), suffix (suffix "
-        "decoding over the request and recent outputs), draft (a smaller model with the same "
-        "tokenizer; not served yet: it stops the start with an error)",
+        "decoding over the request and recent outputs), draft (--draft-model-path: a smaller "
+        "model with the same tokenizer, run by the worker beside the served one)",
         choices=SPECULATIVE_METHODS)] = "none"
     num_speculative_tokens: Annotated[int | None, Flag(
         "most tokens proposed per step; default: 5, suffix: --suffix-decoding-max-tree-depth "
         "(it proposes fewer where its matches are short or unsure)")] = None
     draft_model_path: Annotated[str | None, Flag(
-        "the draft model of --speculative-method draft", metavar="PATH",
+        "the draft model of --speculative-method draft (a checkpoint directory or GGUF "
+        "file; its KV cache shares the served model's budget)", metavar="PATH",
         names=("--draft-model-path", "--speculative-model"))] = None
     prompt_lookup_max: Annotated[int, Flag(
         "ngram: longest match of the last tokens looked for",

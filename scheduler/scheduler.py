@@ -304,6 +304,7 @@ class Scheduler:
     def update(self, step: ScheduledStep, result: StepResult) -> list[TextGenerationOutput]:
         """Apply a step's results; returns the outputs to send to the API process."""
         outputs: list[TextGenerationOutput] = []
+        take_draft_tokens(step.batch, result)
         sampled = result.sampled_token_ids
         logprobs = sampled_logprobs_by_seq(result)
         drafts = step.batch.num_draft_tokens
@@ -453,6 +454,21 @@ def sampled_logprobs_by_seq(result: StepResult) -> dict[int, list[LogProbabiliti
     for row, seq in enumerate(result.logprob_seqs):
         by_seq.setdefault(seq, []).append(to_log_probabilities(result.sampled_logprobs, row))
     return by_seq
+
+
+def take_draft_tokens(batch: StepBatch, result: StepResult) -> None:
+    """A draft model's proposals (made by the worker) in place of the placeholders the step
+    fed, so that the accepted ones read as any proposer's."""
+    if result.draft_token_ids is None or batch.num_draft_tokens is None:
+        return
+    k = batch.num_draft_tokens.astype(np.int64)
+    ends = np.cumsum(batch.query_lens.astype(np.int64))
+    proposing = np.flatnonzero(k)
+    if int(k.sum()) != len(result.draft_token_ids):
+        raise ValueError(f"step {batch.step_id}: {len(result.draft_token_ids)} draft tokens "
+                         f"for {int(k.sum())} proposed")
+    where = np.concatenate([np.arange(ends[i] - k[i], ends[i]) for i in proposing])
+    batch.input_ids[where] = result.draft_token_ids
 
 
 def new_tokens(batch: StepBatch, result: StepResult, seq: int, sampled: int,

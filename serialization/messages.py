@@ -277,6 +277,10 @@ class StepResult(msgspec.Struct, tag=True, omit_defaults=True):
     # (int32 [num_seqs]). Its new tokens are those proposals, then sampled_token_ids[i];
     # with log probabilities, sequence i is in `logprob_seqs` once per new token.
     num_accepted: np.ndarray | None = None
+    # With a draft model (--speculative-method draft): the proposals it made in place of the
+    # scheduler's placeholders, int32, the num_draft_tokens of each proposing sequence back
+    # to back in sequence order.
+    draft_token_ids: np.ndarray | None = None
 
 
 class WorkerReady(msgspec.Struct, tag=True):

@@ -21,10 +21,11 @@ RUNNERS: dict = {}
 
 
 def run_through_the_wire(model_dir: str, prompts: list, method: str, budget: int = 9,
-                         num_blocks: int | None = None) -> tuple:
+                         num_blocks: int | None = None, draft: str | None = None) -> tuple:
     """The worker process's path in-process (as test_pipeline's wire test): the scheduler's
     overlap-built steps, msgpack-encoded, through `TextGenerationPipeline.next_token` over the
-    worker's own contexts. Returns the scheduler's contexts, the worker's, the scheduler."""
+    worker's own contexts. Returns the scheduler's contexts, the worker's, the scheduler.
+    `draft`: the draft model's directory (its runner serves the method "none" too)."""
     from scheduler.block_manager import BlockManager
     from scheduler.scheduler import Scheduler
     from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
@@ -33,10 +34,11 @@ def run_through_the_wire(model_dir: str, prompts: list, method: str, budget: int
     from worker.pipeline import ScheduledSteps, TextGenerationPipeline
     from worker.process import answer_step
 
-    if model_dir not in RUNNERS:  # (one model for every run: its requests end in each)
-        RUNNERS[model_dir] = ModelRunner(PipelineConfig.for_model(model_dir,
-                                                                  kv_cache_memory=4 << 20))
-    runner = RUNNERS[model_dir]
+    if (model_dir, draft) not in RUNNERS:  # (one model for every run: its requests end in each)
+        RUNNERS[model_dir, draft] = ModelRunner(PipelineConfig.for_model(
+            model_dir, kv_cache_memory=4 << 20,
+            **(dict(speculative_method="draft", draft_model_path=draft) if draft else {})))
+    runner = RUNNERS[model_dir, draft]
     check_windows(runner)
     pipeline = TextGenerationPipeline(runner, ScheduledSteps(runner.max_model_len))
     encode, decode = msgpack_numpy_encoder(), msgpack_numpy_decoder(StepMessage)
@@ -44,7 +46,9 @@ def run_through_the_wire(model_dir: str, prompts: list, method: str, budget: int
     config = PipelineConfig.for_model(model_dir, max_batch_input_tokens=budget,
                                       max_length=runner.max_model_len)
     sched = Scheduler(config.replace(speculative_method=method,
-                                     speculative_disable_by_batch_size=8), blocks)
+                                     speculative_disable_by_batch_size=8,
+                                     draft_model_path=draft if method == "draft" else None),
+                      blocks)
     ours = [TextContext(max_length=len(ids) + 16, tokens=np.array(ids), sampling_params=params,
                         speculative_decoding=speculates)
             for ids, params, speculates in prompts]

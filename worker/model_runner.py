@@ -50,6 +50,7 @@ from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.quant_linear import QuantLinear
 from worker.sampler import RequestSamplingState, describe, probabilities, sample_isolated
+from worker.speculative.draft_model import DraftModel
 from worker.speculative.rejection import rejection_sample
 from worker.structured_output import GrammarCompiler
 from worker.tensor_parallel import (
@@ -108,10 +109,15 @@ class ModelRunner:
             whole=self.config,
             largest_shard=ShardPlan.for_rank(self.config, 0, self.tp.size).config(self.config)
             if self.tp else self.config)
+        # A draft model (speculative decoding) is loaded before the cache is sized: its
+        # weights count in the memory left, and its cache, with as many blocks, in the budget.
+        draft = _build_draft_model(pipeline_config, self.device, self.dtype,
+                                   self.model.kv_params)
+        draft_block = draft.kv_block_bytes if draft is not None else 0
         # (MAX's KVCacheMixin: the one sizing path; every rank takes the smallest count.)
         per_block = self.model.kv_block_bytes
         available = self.model.estimate_kv_cache_size(self.model.estimate_memory_footprint())
-        self.num_blocks = agree_on_min(available // per_block)
+        self.num_blocks = agree_on_min(available // (per_block + draft_block))
         if self.num_blocks * block_size < self.max_model_len:
             need = -(-self.max_model_len // block_size) * per_block
             raise MemoryError(
@@ -128,6 +134,10 @@ class ModelRunner:
         self.kv_manager = self.model.load_kv_manager(
             self.device, (self.num_blocks + (SINK_BLOCKS if graphs else 0)) * per_block)
         self.kv_cache = self.kv_manager.cache
+        self.draft: DraftModel | None = None
+        if draft is not None:
+            self.draft = DraftModel(draft, draft.load_kv_manager(
+                self.device, self.num_blocks * draft_block), self.config.vocab_size)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, block_size,
@@ -228,6 +238,10 @@ class ModelRunner:
         if len(verify_seqs):
             out.num_accepted = np.zeros(num_seqs, dtype=np.int32)
         with torch.inference_mode():
+            if self.draft is not None:  # (its proposals replace the scheduler's placeholders)
+                out.draft_token_ids = self.draft.propose(
+                    step, contexts, np.flatnonzero(drafts) if drafts is not None
+                    else np.zeros(0, np.int64))
             try:
                 inputs, outputs, logit_seqs, echo_logits, verify_logits = self._forward(
                     step, contexts, sample_seqs, echo_plans, verify_seqs, with_lora)
@@ -371,6 +385,8 @@ class ModelRunner:
         self.lora_of.pop(request_id, None)
         self.failing.discard(request_id)
         self.model.release(request_id)
+        if self.draft is not None:
+            self.draft.release(request_id)
 
     def _sample(self, out: StepResult, inputs: ModelInputs | None, outputs: ModelOutputs,
                 logit_seqs: np.ndarray, states: list[RequestSamplingState],
@@ -665,6 +681,30 @@ def _tensor_parallel_plan(size: int, rank: int, config: ModelConfig,
         raise ValueError(f"--tensor-parallel-size: {config.architecture} is not split yet "
                          f"(text models of the Llama family and Gemma 3 are)")
     return ShardPlan.for_rank(config, rank, size)
+
+
+def _build_draft_model(pipeline_config: PipelineConfig, device: torch.device,
+                       dtype: torch.dtype, kv_params: KVCacheParams) -> PagedCausalLM | None:
+    """The draft model of --speculative-method draft (None without one), in the served
+    model's dtype (a GGUF file: its blocks, computing in float32), its rotary tables as long
+    as the served context, its KV cache laid out for the same block size."""
+    path = pipeline_config.speculative_config.draft_model_path
+    if pipeline_config.speculative_config.speculative_method != "draft" or path is None:
+        return None
+    config = load_model_config(path)
+    cls = model_class(config)
+    if not issubclass(cls, PagedCausalLM) or config.vision is not None:
+        raise ValueError(f"--draft-model-path {path}: a text model of the Llama family or "
+                         f"Gemma 3 drafts")
+    quantization = "gguf" if is_gguf(path) else None
+    dtype = torch.float32 if quantization else dtype
+    draft_config = pipeline_config.replace(model_path=path, quantization_encoding=quantization,
+                                           max_length=kv_params.max_length)
+    model = _build_model(cls, draft_config, config, dtype, quantization, None, device)
+    model.session = device
+    model.kv_params = replace(kv_params, dtype=dtype, shard=config, whole=config,
+                              largest_shard=config)
+    return model
 
 
 def _build_custom_model(cls: type, pipeline_config: PipelineConfig, device: torch.device,
