@@ -90,11 +90,16 @@ def test_sampling_defaults_are_bounded_like_a_requests(tiny_model_dir):
     assert r.stderr.count("\n") == 1
 
 
-def test_speculative_decoding_settings_are_checked(tiny_model_dir, capsys):
-    """Its settings are checked; ngram and suffix are served (not with tensor parallelism),
-    a draft model is refused with one clear line rather than silently ignored."""
-    from api_server.cli import main
+def test_speculative_decoding_settings_are_checked(tiny_model_dir, tmp_path, capsys):
+    """Its settings are checked; ngram, suffix and draft are served (not with tensor
+    parallelism), a draft in either spelling; a draft whose tokenizer differs from the
+    served model's is refused at start-up with one clear line."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from api_server.cli import build_parser, main, serve_configs_from_args
     from pipelines.config import PipelineConfig
+    from tests.helpers import make_tiny_checkpoint
 
     draft = '{"method": "draft_model", "model": "%s"}' % tiny_model_dir
     for flags in (["--speculative-method", "ngram"],
@@ -107,10 +112,22 @@ def test_speculative_decoding_settings_are_checked(tiny_model_dir, capsys):
                   ["--speculative-config", draft],  # (vLLM's spelling)
                   ["--speculative-config", '{"method": "ngram"}', "--speculative-method",
                    "draft", "--draft-model-path", tiny_model_dir]):  # (the flag wins)
-        assert main(["serve", "--model", tiny_model_dir, *flags]) == 1
-        err = capsys.readouterr().err
-        assert err.startswith("loom: error: --speculative-method draft: not served yet")
-        assert err.count("\n") == 1
+        args = build_parser().parse_args(["serve", "--model", tiny_model_dir, *flags])
+        spec = serve_configs_from_args(args)[0].speculative_config
+        assert (spec.speculative_method, spec.draft_model_path) == ("draft", tiny_model_dir)
+    words = tmp_path / "words"
+    words.mkdir()
+    vocab = {f"w{i}": i for i in range(63)} | {"[UNK]": 63}
+    Tokenizer(WordLevel(vocab, unk_token="[UNK]")).save(str(words / "tokenizer.json"))
+    other = make_tiny_checkpoint(str(tmp_path / "other"), str(words), vocab_size=64,
+                                 bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    capsys.readouterr()  # (the checkpoint's progress bar)
+    assert main(["serve", "--model", tiny_model_dir, "--speculative-method", "draft",
+                 "--draft-model-path", other]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"loom: error: --draft-model-path {other}: its tokenizer differs "
+                          f"from the served model's (64 tokens against 49152")
+    assert err.count("\n") == 1
     for config, problem in (('{"method": "eagle"}', "method eagle: not ngram, suffix"),
                             ('{"n": 3}', "n: not among the fields"),
                             ('{"num_speculative_tokens": "3"}',

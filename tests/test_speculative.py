@@ -1,7 +1,8 @@
-"""Speculative decoding served (issue 28): the scheduler proposes (n-gram, suffix), the worker
-verifies the proposals in one forward, and the output is exactly what it would be without
-them. The tiny tied model repeats its last token, so the proposals are mostly accepted; the
-penalties make it change its mind, so some are rejected."""
+"""Speculative decoding served (issue 28): the scheduler proposes (n-gram, suffix) or makes
+room for a draft model's proposals, the worker verifies the proposals in one forward, and the
+output is exactly what it would be without them. The tiny tied model repeats its last token,
+so the proposals are mostly accepted; the penalties make it change its mind, so some are
+rejected."""
 
 import re
 import time
@@ -120,6 +121,54 @@ def test_proposals_verified_in_one_step_change_no_token(tiny_model_dir):
         assert ctx.generated_tokens.tolist() == want.generated_tokens.tolist()
 
 
+@pytest.fixture(scope="module")
+def draft_model_dir(smollm2_dir, tmp_path_factory) -> str:
+    """A smaller tiny model (1 layer, half the width) with the same tokenizer: tied too, it
+    mostly proposes what the tiny model says."""
+    from tests.helpers import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-draft")), smollm2_dir,
+                                hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+
+
+def test_draft_model_proposals_change_no_token(tiny_model_dir, draft_model_dir,
+                                               untied_tiny_model_dir):
+    """A draft model's proposals (--speculative-method draft), made by the worker in the
+    step that verifies them: greedy requests get exactly their tokens without speculation,
+    beside one that opts out, with penalties, chunked prefill and prefix-cache hits, and
+    when preempted (the draft's cache re-filled with the recomputed prompt). A draft that
+    is deliberately different (random, untied: it proposes other tokens) changes nothing
+    but acceptance."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    a = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    b = tok.encode("Copy this: one two three four five six")
+    cases = [(a, SamplingParams(), True), (a, SamplingParams(), True),
+             (b, SamplingParams(frequency_penalty=0.1), True), (b, SamplingParams(), False)]
+    plain, _, _ = run_through_the_wire(tiny_model_dir, cases, "none")
+    accepted = {}
+    # (The different draft on two requests: each of its steps verifies little.)
+    for draft, first in ((draft_model_dir, 0), (untied_tiny_model_dir, 2)):
+        ours, workers, sched = run_through_the_wire(tiny_model_dir, cases[first:], "draft",
+                                                    draft=draft)
+        for want, ctx in zip(plain[first:], ours):
+            assert ctx.generated_tokens.tolist() == want.generated_tokens.tolist()
+            assert ctx.status is want.status
+            assert workers[ctx.request_id].generated_tokens.tolist() == \
+                want.generated_tokens.tolist()
+        spec = sched.speculation
+        assert spec.num_draft_tokens > 0
+        accepted[draft] = spec.num_accepted_tokens / spec.num_draft_tokens
+    assert accepted[draft_model_dir] > 0.3 > accepted[untied_tiny_model_dir]
+    need = -(-(len(a) + 16) // 16) + 1  # (a cache of one request and a half)
+    ours, _, sched = run_through_the_wire(tiny_model_dir, cases[:3], "draft", num_blocks=need,
+                                          draft=draft_model_dir)
+    assert sched.num_preemptions > 0 and sched.speculation.num_accepted_tokens > 0
+    for want, ctx in zip(plain, ours):
+        assert ctx.generated_tokens.tolist() == want.generated_tokens.tolist()
+
+
 def test_verified_rows_are_processed_as_the_one_token_steps_would():
     """Row j of a verification is penalized as if the first j proposals were generated, and
     a sampled request keeps its distribution: over many draws, the first new token follows
@@ -148,10 +197,13 @@ def test_verified_rows_are_processed_as_the_one_token_steps_would():
 
 
 @pytest.fixture(scope="module")
-def server(shared_server, tiny_model_dir):
-    """The tiny model served with n-gram speculation (its own start: about 4 s)."""
+def server(shared_server, tiny_model_dir, draft_model_dir):
+    """The tiny model served with a draft model's speculation (its own start: about 4 s).
+    (The scheduler and the worker verify any proposer's proposals alike; the wire tests
+    above run n-gram and suffix proposals through them.)"""
     return shared_server(tiny_model_dir, "--served-model-name", "tiny",
-                         "--speculative-method", "ngram", "--max-model-len", "512")
+                         "--speculative-method", "draft", "--draft-model-path",
+                         draft_model_dir, "--max-model-len", "512")
 
 
 PROMPT = "Repeat after me: the quick brown fox jumps over the lazy dog. " * 4
