@@ -52,7 +52,8 @@ class DecodeLayer:
 
 
 class _LoRAWeights(ctypes.Structure):
-    _fields_ = [("a", _P), ("b", _P), ("rank", ctypes.c_int)]
+    _fields_ = [("a", _P), ("b", _P), ("rank", ctypes.c_int), ("parts", ctypes.c_int),
+                ("bf16", ctypes.c_int), ("out_start", ctypes.c_int * 4)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -184,7 +185,8 @@ class FusedDecode:
         """Layer `layer`'s qkv, o, gate_up and down adapters (a NULL: none)."""
         if self.lora is None:
             return [_LoRAWeights()] * 4
-        return [_LoRAWeights(t.A.data_ptr(), t.B.data_ptr(), t.A.shape[2])
+        return [_LoRAWeights(t.A.data_ptr(), t.B.data_ptr(), t.width, len(t.parts),
+                             t.A.dtype == torch.bfloat16, (ctypes.c_int * 4)(*t.out_offsets))
                 for t in self.lora.layer_targets(layer)]
 
 

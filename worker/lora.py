@@ -1,13 +1,19 @@
 """LoRA adapters applied to the rows of their requests, in batches shared with the base model
-(Punica's and vLLM's scheme, here in PyTorch).
+(Punica's and vLLM's scheme).
 
 The base projections run once for the whole step; a forward hook on each target projection
 (qkv, o, gate_up, down) then adds scale * (x @ A) @ B of each row's adapter to that row only:
-one product over every slot's columns, each row masked to its own slot's (base rows to
-none). The adapters live in `max_num_loras` slots of stacked tensors, every rank padded to
---max-lora-rank (a fused projection's parts side by side: qkv's A is [in, 3R] and its B
-[3R, q+k+v], block-diagonal), so an adapter loads by copying into a slot. Resident adapters are kept least recently used first; one not
-resident is read from its directory when a step first needs it.
+the rows of each adapter gathered, multiplied by its A and B, and added back (Punica's SGMV),
+base rows untouched. The adapters live in `max_num_loras` slots of stacked tensors, every
+rank padded to --max-lora-rank (a fused projection's parts side by side: qkv's A is [in, 3R]
+and its B [3R, q+k+v], block-diagonal), so an adapter loads by copying into a slot. Resident
+adapters are kept least recently used first; one not resident is read from its directory
+when a step first needs it.
+
+Beside quantized or bfloat16 base weights the slots hold bfloat16 (`adapter_dtype`): every
+decode step reads every resident adapter it runs, and at rank 16 on all seven projections
+float32 adapters are a third of a 4-bit base's bytes; their bfloat16 rounding is far below
+the base's own. Beside float32 weights they stay float32 (the float oracle's exactness).
 
 The one-call native decode step (worker/fused_decode.py, decoder.c) reads the same slot
 tensors and adds the deltas itself, each row with its own slot (`row_slots`); the hooks serve
@@ -46,13 +52,11 @@ class _Target:
         self.A = torch.zeros(slots, in_features, self.width, dtype=dtype, device=device)
         self.B = torch.zeros(slots, self.width, self.out_offsets[-1], dtype=dtype,
                              device=device)
-        # Every slot side by side, for the Python path's one masked product for all rows:
-        # A's copy [in, slots * width]; B's rows already lie so.
-        self.A_flat = torch.zeros(in_features, slots * self.width, dtype=dtype, device=device)
-        self.B_flat = self.B.view(slots * self.width, -1)
 
-    def sync_flat(self, slot: int) -> None:
-        self.A_flat[:, slot * self.width:(slot + 1) * self.width] = self.A[slot]
+
+def adapter_dtype(weights_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """The dtype the slots hold beside base weights of `weights_dtype` (module doc)."""
+    return torch.bfloat16 if quantized or weights_dtype == torch.bfloat16 else weights_dtype
 
 
 class LoRASlots:
@@ -60,10 +64,8 @@ class LoRASlots:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.max_num_loras, self.max_rank = max_num_loras, max_rank
         self.resident: OrderedDict[str, tuple[int, str]] = OrderedDict()  # name: (slot, path)
-        self.groups: list[int] = []  # this step's slots
-        # Several adapters in a step: each row's slot one-hot, widened to each target's
-        # per-slot width (the columns of A_flat its row keeps).
-        self.masks: dict[int, torch.Tensor] = {}
+        # This step's slots, each with its rows (None: every row of the step).
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
         # This step's slot of each row (int32 [T], -1: the base model's), for the native
         # decode step (worker/fused_decode.py), which reads the same tensors.
         self.row_slots: torch.Tensor | None = None
@@ -86,17 +88,14 @@ class LoRASlots:
 
     def _hook(self, target: _Target):
         def add_deltas(module, inputs, output):
-            if not self.groups:
-                return None
             x = inputs[0]
-            if not self.masks:  # one adapter, every row of the step
-                slot = self.groups[0]
-                return output.add_(x @ target.A[slot] @ target.B[slot])
-            # (Three operations however many adapters: rows are masked to their slot's
-            # columns, base rows to none; the products of other slots' columns are wasted,
-            # cheaper than gathering and scattering each adapter's rows.)
-            xa = (x @ target.A_flat).mul_(self.masks[target.width])
-            return output.addmm_(xa, target.B_flat)
+            for slot, rows in self.groups:
+                a, b = target.A[slot].to(x.dtype), target.B[slot].to(x.dtype)
+                if rows is None:  # (one adapter, every row of the step)
+                    output.addmm_(x @ a, b)
+                else:
+                    output.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
+            return output
         return add_deltas
 
     # ---- per step ---------------------------------------------------------------------------
@@ -118,32 +117,27 @@ class LoRASlots:
         """Point the hooks at this step's rows: sequence i feeds query_lens[i] rows and runs
         `adapters[i]` (None: the base model; each resident). Returns whether any row has an
         adapter."""
-        self.groups, self.row_slots, self.masks = [], None, {}
+        self.clear_step()
         named = [i for i, a in enumerate(adapters) if a is not None]
         if not named:
             return False
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
-        by_slot: dict[int, int] = {}  # slot: its rows
         row_slots = np.full(int(ends[-1]), -1, np.int32)
         for i in named:
-            slot = self.resident[adapters[i].name][0]
-            by_slot[slot] = by_slot.get(slot, 0) + int(query_lens[i])
-            row_slots[starts[i]:ends[i]] = slot
+            row_slots[starts[i]:ends[i]] = self.resident[adapters[i].name][0]
         device = next(iter(self.targets.values())).A.device
         self.row_slots = torch.from_numpy(row_slots).to(device)
-        if len(by_slot) > 1 or sum(by_slot.values()) < len(row_slots):
-            dtype = next(iter(self.targets.values())).A.dtype
-            onehot = torch.zeros(len(row_slots), self.max_num_loras + 1, dtype=dtype)
-            onehot[torch.arange(len(row_slots)), torch.from_numpy(row_slots).long()] = 1
-            onehot = onehot[:, :-1].to(device)  # (the base's -1: the dropped last column)
-            for width in {t.width for t in self.targets.values()}:
-                self.masks[width] = onehot.repeat_interleave(width, dim=1)
-        self.groups = list(by_slot)
+        slots = np.unique(row_slots[row_slots >= 0])
+        if len(slots) == 1 and row_slots[0] >= 0 and (row_slots == row_slots[0]).all():
+            self.groups = [(int(slots[0]), None)]
+        else:
+            self.groups = [(int(slot), torch.from_numpy(np.flatnonzero(row_slots == slot))
+                            .to(device)) for slot in slots]
         return True
 
     def clear_step(self) -> None:
-        self.groups, self.row_slots, self.masks = [], None, {}
+        self.groups, self.row_slots = [], None
 
     # ---- residency --------------------------------------------------------------------------
     def _make_resident(self, adapter: LoRARequest, keep: set[str]) -> None:
@@ -193,7 +187,5 @@ class LoRASlots:
                 out = slice(target.out_offsets[p], target.out_offsets[p + 1])
                 target.A[slot][:, cols] = a.t().to(target.A.dtype)
                 target.B[slot][cols, out] = (b.t() * scaling(config, rank)).to(target.B.dtype)
-            for target in targets:
-                target.sync_flat(slot)
         logger.info("LoRA adapter %s loaded from %s into slot %d in %.2fs", adapter.name,
                     adapter.path, slot, time.monotonic() - started)

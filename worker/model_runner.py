@@ -45,7 +45,7 @@ from worker.device import (
 from worker.fused_decode import FusedDecode
 from worker.logits_processors import process_logits
 from worker.logprobs import pack_logprobs, plan_echo, resolve_echo, token_logprobs
-from worker.lora import LoRASlots
+from worker.lora import LoRASlots, adapter_dtype
 from worker.models.registry import model_class
 from worker.packed_linear import pack_linear_layers, packing_pays_off
 from worker.quant_linear import QuantLinear
@@ -165,8 +165,9 @@ class ModelRunner:
                 or not hasattr(self.model, "layers"):
             raise ValueError("--enable-lora: LoRA adapters are served over one worker's "
                              "Llama-family or Gemma 3 text model (no --tensor-parallel-size)")
+        dtype = adapter_dtype(self.dtype, self.quantization is not None)
         slots = LoRASlots(self.model, self.config, lora.max_num_loras, lora.max_lora_rank,
-                          self.model.compute_dtype, self.device)
+                          dtype, self.device)
         if getattr(self.model, "fused_decode", None) is not None:
             self.model.fused_decode.use_lora(slots)
         return slots

@@ -40,11 +40,14 @@ typedef struct Projection {
 } Projection;
 
 /* One projection's LoRA adapters (worker/lora.py), one slot each: a [slots, K, rank] and
- * b [slots, rank, N] float32, a fused projection's parts side by side (zeros where an adapter
- * has a smaller rank or no delta for a part); a == NULL: none. */
+ * b [slots, rank, N], float32 or bfloat16 (`bf16`), a fused projection's `parts` side by side
+ * (rank / parts columns of a each, zeros where an adapter has a smaller rank or no delta for
+ * a part). b is block-diagonal: part p's rows are zero outside columns out_start[p] ..
+ * out_start[p + 1], so only those are read. a == NULL: none. */
 typedef struct {
-    const float *a, *b;
-    int rank;
+    const void *a, *b;
+    int rank, parts, bf16;
+    int out_start[4];
 } LoRAWeights;
 enum { LORA_MAX_SLOTS = 256 }; /* slots beyond are base rows */
 
@@ -169,43 +172,82 @@ static LoRAGroups *lora_groups(const int32_t *row_slots, int T) {
     return g;
 }
 
+static inline float bf16_value(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* u = x a for one row (a: [K, rank] of one slot). */
+static void lora_shrink_row(const LoRAWeights *l, const void *a, const float *x, int K,
+                            float *u) {
+    const int rank = l->rank;
+    for (int k = 0; k < rank; k++)
+        u[k] = 0.0f;
+    if (l->bf16) {
+        for (int j = 0; j < K; j++) {
+            const float xj = x[j];
+            const uint16_t *aj = (const uint16_t *)a + (int64_t)j * rank;
+            for (int k = 0; k < rank; k++)
+                u[k] += xj * bf16_value(aj[k]);
+        }
+    } else {
+        for (int j = 0; j < K; j++) {
+            const float xj = x[j];
+            const float *aj = (const float *)a + (int64_t)j * rank;
+            for (int k = 0; k < rank; k++)
+                u[k] += xj * aj[k];
+        }
+    }
+}
+
+/* y += u b for one row (b: [rank, N] of one slot), each rank column only over its part's
+ * output columns; a column the adapter leaves zero costs no pass. */
+static void lora_expand_row(const LoRAWeights *l, const void *b, const float *u, int N,
+                            float *y) {
+    const int part_rank = l->rank / l->parts;
+    for (int k = 0; k < l->rank; k++) {
+        const float uk = u[k];
+        if (uk == 0.0f)
+            continue;
+        const int p = k / part_rank, n0 = l->out_start[p], n1 = l->out_start[p + 1];
+        if (l->bf16) {
+            const uint16_t *bk = (const uint16_t *)b + (int64_t)k * N;
+            for (int n = n0; n < n1; n++)
+                y[n] += uk * bf16_value(bk[n]);
+        } else {
+            const float *bk = (const float *)b + (int64_t)k * N;
+            for (int n = n0; n < n1; n++)
+                y[n] += uk * bk[n];
+        }
+    }
+}
+
 /* y[t] += (x[t] a_s) b_s for each row t of an adapter (slot s), by the team: Punica's
  * BGMV, each row its own adapter. The team splits the rows in slot order, so a thread's rows
  * mostly share one adapter's a and b, read from its cache after the first; the loops run
- * along the rank, then along the outputs, so both vectorize, and a rank column the adapter
- * leaves zero costs no pass over b. One worksharing loop: one barrier per projection (on a
- * busy machine each costs more than the arithmetic). `u`: [T, rank] scratch. */
+ * along the rank, then along the outputs, so both vectorize. One worksharing loop: one
+ * barrier per projection (on a busy machine each costs more than the arithmetic). `u`:
+ * [T, rank] scratch. */
 static void lora_add(const LoRAWeights *l, const LoRAGroups *g, const float *x, int64_t ldx,
                      float *y, int64_t ldy, int N, int K, float *u) {
     if (!l->a || !g)
         return;
     const int rank = l->rank, rows = g->start[g->groups];
+    const int64_t elem = l->bf16 ? 2 : 4;
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const int t = g->order[r];
         int gi = 0;
         while (r >= g->start[gi + 1])
             gi++;
-        const float *a = l->a + (int64_t)g->slot[gi] * K * rank;
-        const float *b = l->b + (int64_t)g->slot[gi] * rank * N;
-        const float *xt = x + (int64_t)t * ldx;
-        float *yt = y + (int64_t)t * ldy, *ut = u + (int64_t)t * rank;
-        for (int k = 0; k < rank; k++)
-            ut[k] = 0.0f;
-        for (int j = 0; j < K; j++) {
-            const float xj = xt[j];
-            const float *aj = a + (int64_t)j * rank;
-            for (int k = 0; k < rank; k++)
-                ut[k] += xj * aj[k];
-        }
-        for (int k = 0; k < rank; k++) {
-            const float uk = ut[k];
-            if (uk == 0.0f)
-                continue;
-            const float *bk = b + (int64_t)k * N;
-            for (int n = 0; n < N; n++)
-                yt[n] += uk * bk[n];
-        }
+        const int64_t slot = g->slot[gi];
+        float *ut = u + (int64_t)t * rank;
+        lora_shrink_row(l, (const char *)l->a + slot * K * rank * elem, x + (int64_t)t * ldx,
+                        K, ut);
+        lora_expand_row(l, (const char *)l->b + slot * rank * N * elem, ut, N,
+                        y + (int64_t)t * ldy);
     }
 }
 
