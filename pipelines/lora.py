@@ -9,6 +9,7 @@ are not the base model's, a rank above --max-lora-rank, PEFT options Loom does n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -31,6 +32,13 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
     of two adapters, or of an adapter reloaded from another path, never share KV blocks."""
     name: str
     path: str
+
+    @property
+    def lora_int_id(self) -> int:
+        """vLLM's integer id of the adapter (KV events' `lora_id`): from its name, so every
+        replica serving an adapter of that name gives the same id (63 bits, never 0)."""
+        digest = hashlib.sha256(self.name.encode("utf-8", "surrogatepass")).digest()
+        return int.from_bytes(digest[:8], "big") >> 1 or 1
 
 
 class AdapterError(ValueError):

@@ -83,10 +83,10 @@ class BlockManager:
         return found
 
     def register_full_blocks(self, request_id: str, tokens: np.ndarray, num_computed: int,
-                             cache_salt: str | None = None) -> None:
+                             cache_salt: str | None = None, lora_id: int | None = None) -> None:
         """Offer the request's blocks that are now full of computed tokens to the prefix cache.
         Each block is hashed once, chained on the request's previous block (or, for the first,
-        on the root of its `cache_salt`)."""
+        on the root of its `cache_salt`). `lora_id`: the request's adapter, for the events."""
         if not self.enable_prefix_caching:
             return
         table = self.tables[request_id]
@@ -108,9 +108,10 @@ class BlockManager:
                 stored.append(i)
         self.hashed_blocks[request_id] = full
         if stored and self.kv_events is not None:
-            self._record_stored(hashes, tokens, stored)
+            self._record_stored(hashes, tokens, stored, lora_id)
 
-    def _record_stored(self, hashes: list[BlockHash], tokens: np.ndarray, stored: list[int]) -> None:
+    def _record_stored(self, hashes: list[BlockHash], tokens: np.ndarray, stored: list[int],
+                       lora_id: int | None) -> None:
         """One BlockStored per run of consecutive blocks (a block whose hash another block
         already holds is not stored again, and splits the run)."""
         size = self.block_size
@@ -121,7 +122,7 @@ class BlockManager:
                 block_hashes=[external_hash(hashes[i]) for i in indices],
                 parent_block_hash=external_hash(hashes[first - 1]) if first else None,
                 token_ids=tokens[first * size : end * size].tolist(),
-                block_size=size, lora_id=None, medium=MEDIUM))
+                block_size=size, lora_id=lora_id, medium=MEDIUM))
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         events, self.kv_events = self.kv_events, []

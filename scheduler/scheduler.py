@@ -331,8 +331,9 @@ class Scheduler:
                 # this was: done.
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             # Blocks full of tokens this step computed (steps queued behind it are not done).
-            self.blocks.register_full_blocks(ctx.request_id, ctx.prefix_cache_tokens,
-                                             num_computed, ctx.prefix_salt)
+            self.blocks.register_full_blocks(
+                ctx.request_id, ctx.prefix_cache_tokens, num_computed, ctx.prefix_salt,
+                ctx.lora.lora_int_id if ctx.lora is not None else None)
             if ctx.end_idx - ctx.num_future >= self.max_model_len and not ctx.is_done:
                 ctx.status = GenerationStatus.MAXIMUM_LENGTH
             if i in prompt_logprobs:

@@ -144,21 +144,27 @@ class Subscriber:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
+def served(tiny_model_dir, tmp_path_factory):
+    from bench.lora import write_adapter
+    from pipelines.checkpoint.model_config import load_model_config
+
     sub = Subscriber()
+    adapter = write_adapter(str(tmp_path_factory.mktemp("kv-lora") / "tiny-lora"),
+                            load_model_config(tiny_model_dir), rank=2, seed=0)
     # 20 blocks of 16 tokens: a handful of prompts fill the cache and force evictions.
     srv = start_server(tiny_model_dir, "--served-model-name", "tiny", "--max-model-len", "128",
                        "--kv-cache-memory", "160KiB", "--block-size", str(BLOCK),
                        "--kv-events-endpoint", f"tcp://127.0.0.1:{sub.port}",
-                       "--kv-events-topic", TOPIC.decode())
+                       "--kv-events-topic", TOPIC.decode(), "--enable-lora",
+                       "--max-lora-rank", "2", "--lora-paths", f"tiny-lora={adapter}")
     yield srv, sub
     srv.stop()
     sub.close()
 
 
-def complete(srv, prompt: list[int], max_tokens: int = 1) -> None:
+def complete(srv, prompt: list[int], max_tokens: int = 1, model: str = "tiny") -> None:
     r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True})
     assert r.status_code == 200, r.text
 
@@ -220,6 +226,23 @@ def test_events_follow_the_prefix_cache(served):
     seqs = [seq for seq, _ in sub.batches]
     assert seqs == list(range(len(seqs)))  # nothing lost, in order
     assert all(b.data_parallel_rank == 0 and abs(b.ts - time.time()) < 120 for _, b in sub.batches)
+
+
+def test_an_adapters_blocks_carry_its_lora_id(served):
+    """vLLM's BlockStored.lora_id: None for the base model's blocks, the adapter's id for an
+    adapter's (the same id for all of them), under hashes of their own."""
+    srv, sub = served
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(1000, 40000, 2 * BLOCK + 1).tolist()
+    count = len(sub.events(BlockStored))
+    complete(srv, prompt)
+    complete(srv, prompt, model="tiny-lora")
+    complete(srv, rng.integers(1000, 40000, BLOCK + 1).tolist(), model="tiny-lora")
+    sub.wait(lambda: len(sub.events(BlockStored)) >= count + 3)
+    base, adapter, again = sub.events(BlockStored)[count:count + 3]
+    assert base.lora_id is None and base.token_ids == adapter.token_ids == prompt[:2 * BLOCK]
+    assert isinstance(adapter.lora_id, int) and adapter.lora_id == again.lora_id
+    assert set(base.block_hashes).isdisjoint(adapter.block_hashes)
 
 
 def prefix_cache_hits(srv) -> float:
