@@ -4,13 +4,16 @@ against the base model alone, on one server (--enable-lora --max-num-loras 4).
 The adapters are random PEFT-format adapters of the served model's shapes (rank 16, every
 target projection), written to a temporary directory. Three phases, each `--requests`
 requests at concurrency `--concurrency`, `--output-len` tokens each: all on the base model,
-all on one adapter, round-robin over the four. tokens/s = completion tokens / wall time.
+all on one adapter, round-robin over the four; `--rounds` rounds of the three in turn, so a
+shared machine's load falls on all alike. tokens/s = completion tokens / wall time; each
+phase's median over the rounds, its ratio against the base's median.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import tempfile
@@ -52,8 +55,10 @@ def write_adapter(target: str, config, rank: int, seed: int) -> str:
 
 
 async def phase(base_url: str, models: list[str], requests: int, concurrency: int,
-                prompt_len: int, output_len: int) -> dict:
-    queue = list(range(requests))
+                prompt_len: int, output_len: int, first_prompt: int) -> dict:
+    """Prompts first_prompt.. onwards: prompts no earlier phase sent, so no phase finds its
+    prompts in the prefix cache."""
+    queue = list(range(first_prompt, first_prompt + requests))
     records: list[RequestRecord] = []
 
     async def client_loop(client):
@@ -84,6 +89,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--serve-args", default="")
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "lora.json"))
     args = p.parse_args()
@@ -103,19 +109,31 @@ def main() -> None:
         with LoomServer(None, args.model, serve_args, log) as server:
             base = served_model(server.base_url)
 
+            first_prompts = itertools.count(0, args.requests)
+
             def run(models):
                 return asyncio.run(phase(server.base_url, models, args.requests,
-                                         args.concurrency, args.prompt_len, args.output_len))
+                                         args.concurrency, args.prompt_len, args.output_len,
+                                         next(first_prompts)))
 
             run([base])  # (warm-up: kernels, first allocations)
-            results = {"base": run([base]), "one_adapter": run(names[:1]),
-                       "four_adapters": run(names), "base_again": run([base])}
-    base_tps = (results["base"]["tokens_per_s"] + results["base_again"]["tokens_per_s"]) / 2
+            phases = {"base": [base], "one_adapter": names[:1], "four_adapters": names}
+            rounds = [{name: run(models) for name, models in phases.items()}
+                      for _ in range(args.rounds)]
+    results = {name: {"tokens_per_s": [r[name]["tokens_per_s"] for r in rounds]}
+               for name in phases}
+    base_tps = float(np.median(results["base"]["tokens_per_s"]))
+    print(f"load average {os.getloadavg()[0]:.1f}; tokens/s per round, median, against the "
+          f"base's median")
     for name, result in results.items():
-        result["vs_base"] = result["tokens_per_s"] / base_tps
-        print(f"{name:14s} {result['tokens_per_s']:8.1f} tokens/s  {result['vs_base']:.2f}x")
+        result["median"] = float(np.median(result["tokens_per_s"]))
+        result["vs_base"] = result["median"] / base_tps
+        per_round = ", ".join(f"{t:.1f}" for t in result["tokens_per_s"])
+        print(f"{name:14s} {per_round:30s} {result['median']:8.1f}  {result['vs_base']:.2f}x")
     with open(args.out, "w") as f:
-        json.dump({"concurrency": args.concurrency, "rank": args.rank, **results}, f, indent=2)
+        json.dump({"concurrency": args.concurrency, "rank": args.rank,
+                   "prompt_len": args.prompt_len, "output_len": args.output_len,
+                   "load_average": os.getloadavg(), **results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ when a step first needs it.
 Beside quantized or bfloat16 base weights the slots hold bfloat16 (`adapter_dtype`): every
 decode step reads every resident adapter it runs, and at rank 16 on all seven projections
 float32 adapters are a third of a 4-bit base's bytes; their bfloat16 rounding is far below
-the base's own. Beside float32 weights they stay float32 (the float oracle's exactness).
+the base's own. Beside float32 weights they stay float32 (the float oracle's exactness). The
+hooks multiply by a float32 widening of the stored values (torch's bfloat16 products are slow
+on CPUs without bfloat16 instructions; widening per step cost more than the products).
 
 The one-call native decode step (worker/fused_decode.py, decoder.c) reads the same slot
 tensors and adds the deltas itself, each row with its own slot (`row_slots`); the hooks serve
@@ -42,9 +44,11 @@ TARGETS = (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
 
 class _Target:
     """One projection's adapter weights, all slots: A [slots, in, parts*R], B [slots,
-    parts*R, out]."""
+    parts*R, out], and the same widened to the model's compute dtype for the hooks (the same
+    tensors where the dtypes agree): torch multiplies a float32 x by float32 weights, and the
+    widened copy holds the stored (rounded) values, so both paths compute with one adapter."""
 
-    def __init__(self, parts, shapes, slots, rank, dtype, device) -> None:
+    def __init__(self, parts, shapes, slots, rank, dtype, compute_dtype, device) -> None:
         self.parts = parts
         in_features = shapes[parts[0]][1]
         self.out_offsets = np.cumsum([0] + [shapes[p][0] for p in parts]).tolist()
@@ -52,6 +56,13 @@ class _Target:
         self.A = torch.zeros(slots, in_features, self.width, dtype=dtype, device=device)
         self.B = torch.zeros(slots, self.width, self.out_offsets[-1], dtype=dtype,
                              device=device)
+        self.A_compute, self.B_compute = (self.A, self.B) if dtype == compute_dtype else (
+            self.A.to(compute_dtype), self.B.to(compute_dtype))
+
+    def widen(self, slot: int) -> None:
+        if self.A_compute is not self.A:
+            self.A_compute[slot] = self.A[slot]
+            self.B_compute[slot] = self.B[slot]
 
 
 def adapter_dtype(weights_dtype: torch.dtype, quantized: bool) -> torch.dtype:
@@ -75,7 +86,8 @@ class LoRASlots:
         for i, layer in enumerate(model.layers):
             self._layers.append([])
             for path, parts in TARGETS:
-                target = _Target(parts, shapes, max_num_loras, max_rank, dtype, device)
+                target = _Target(parts, shapes, max_num_loras, max_rank, dtype,
+                                 model.compute_dtype, device)
                 for part in parts:
                     self.targets[(i, part)] = target
                 self._layers[-1].append(target)
@@ -90,7 +102,7 @@ class LoRASlots:
         def add_deltas(module, inputs, output):
             x = inputs[0]
             for slot, rows in self.groups:
-                a, b = target.A[slot].to(x.dtype), target.B[slot].to(x.dtype)
+                a, b = target.A_compute[slot], target.B_compute[slot]
                 if rows is None:  # (one adapter, every row of the step)
                     output.addmm_(x @ a, b)
                 else:
@@ -187,5 +199,7 @@ class LoRASlots:
                 out = slice(target.out_offsets[p], target.out_offsets[p + 1])
                 target.A[slot][:, cols] = a.t().to(target.A.dtype)
                 target.B[slot][cols, out] = (b.t() * scaling(config, rank)).to(target.B.dtype)
+            for target in targets:
+                target.widen(slot)
         logger.info("LoRA adapter %s loaded from %s into slot %d in %.2fs", adapter.name,
                     adapter.path, slot, time.monotonic() - started)
