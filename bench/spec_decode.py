@@ -8,6 +8,10 @@ of the repeats) of each, the acceptance (from the usage extension), and the work
 time per step: one-token decode steps of the opt-out requests, and steps with more than one
 token per sequence (the verify steps, and the prompts' prefills, one per request). Starts
 loom (the default GGUF model) unless --url names a loopback server started with speculation.
+
+`--method draft --draft-model PATH` proposes with a draft model; `--draft-layers N` makes one
+instead: the first N layers of the default checkpoint (SmolLM2-135M-Instruct, float32) with its
+final norm and tied head, no training (no smaller SmolLM2 ships in a package here).
 """
 
 from __future__ import annotations
@@ -26,6 +30,33 @@ from bench.endpoint import loopback_base_url, served_model
 from bench.server import LoomServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def truncated_checkpoint(source: str, num_layers: int, target: str) -> str:
+    """`source`'s first `num_layers` layers, its final norm and head, as a checkpoint
+    directory with its tokenizer (made once)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if os.path.isfile(os.path.join(target, "model.safetensors")):
+        return target
+    os.makedirs(target, exist_ok=True)
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    kept = {name: tensor for name, tensor in weights.items()
+            if not name.startswith("model.layers.")
+            or int(name.split(".")[2]) < num_layers}
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    with open(os.path.join(target, "config.json"), "w") as f:
+        json.dump(config, f)
+    for name in os.listdir(source):
+        if name.startswith("tokenizer") or name in ("chat_template.jinja",
+                                                     "generation_config.json"):
+            shutil.copy(os.path.join(source, name), target)
+    save_file(kept, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    return target
 
 
 def passages() -> list[tuple[str, str]]:
@@ -117,7 +148,10 @@ def measure(base_url: str, model: str, repeats: int, max_tokens: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__)
-    p.add_argument("--method", default="ngram", choices=("ngram", "suffix"))
+    p.add_argument("--method", default="ngram", choices=("ngram", "suffix", "draft"))
+    p.add_argument("--draft-model", default=None, help="draft: its checkpoint or GGUF file")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="draft: the first N layers of the default checkpoint")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--url", default=None)
@@ -134,9 +168,13 @@ def main() -> None:
     else:
         log = os.path.splitext(args.out)[0] + ".server.log"
         serve = ["--speculative-method", args.method, *args.serve_args.split()]
+        if args.method == "draft":
+            serve += ["--draft-model-path", draft_model(args)]
         with LoomServer(None, None, serve, log) as server:
             result = run(server.base_url)
     result["method"] = args.method
+    if args.method == "draft":
+        result["draft_model"] = args.draft_model or f"first {args.draft_layers} layers"
     for name in ("speculative", "plain"):
         r = result[name]
         print(f"{name:>12}: {r['tokens_per_s_median']:6.1f} tokens/s (median of "
@@ -147,6 +185,18 @@ def main() -> None:
     print(f"speedup {result['speedup']:.2f}x ({args.method})")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def draft_model(args: argparse.Namespace) -> str:
+    if args.draft_model:
+        return args.draft_model
+    if not args.draft_layers:
+        raise SystemExit("--method draft needs --draft-model or --draft-layers")
+    from pipelines.checkpoint.cache_dirs import cache_root
+    from pipelines.checkpoint.default_model import ensure_default_model
+
+    target = os.path.join(cache_root(), "models", f"SmolLM2-135M-first-{args.draft_layers}")
+    return truncated_checkpoint(ensure_default_model(), args.draft_layers, target)
 
 
 if __name__ == "__main__":

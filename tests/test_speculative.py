@@ -26,7 +26,8 @@ def run_through_the_wire(model_dir: str, prompts: list, method: str, budget: int
     """The worker process's path in-process (as test_pipeline's wire test): the scheduler's
     overlap-built steps, msgpack-encoded, through `TextGenerationPipeline.next_token` over the
     worker's own contexts. Returns the scheduler's contexts, the worker's, the scheduler.
-    `draft`: the draft model's directory (its runner serves the method "none" too)."""
+    `draft`: the draft model's directory (its runner serves the method "none" too). A
+    prompt is (ids, SamplingParams, whether it speculates[, its JSON schema])."""
     from scheduler.block_manager import BlockManager
     from scheduler.scheduler import Scheduler
     from serialization.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
@@ -51,8 +52,8 @@ def run_through_the_wire(model_dir: str, prompts: list, method: str, budget: int
                                      draft_model_path=draft if method == "draft" else None),
                       blocks)
     ours = [TextContext(max_length=len(ids) + 16, tokens=np.array(ids), sampling_params=params,
-                        speculative_decoding=speculates)
-            for ids, params, speculates in prompts]
+                        speculative_decoding=speculates, json_schema=(schema or [None])[0])
+            for ids, params, speculates, *schema in prompts]
     for ctx in ours:
         sched.add_request(ctx)
     workers: dict[str, TextContext] = {}
@@ -135,18 +136,22 @@ def test_draft_model_proposals_change_no_token(tiny_model_dir, draft_model_dir,
                                                untied_tiny_model_dir):
     """A draft model's proposals (--speculative-method draft), made by the worker in the
     step that verifies them: greedy requests get exactly their tokens without speculation,
-    beside one that opts out, with penalties, chunked prefill and prefix-cache hits, and
-    when preempted (the draft's cache re-filled with the recomputed prompt). A draft that
-    is deliberately different (random, untied: it proposes other tokens) changes nothing
-    but acceptance."""
+    beside one that opts out, with penalties, chunked prefill and prefix-cache hits, under
+    a JSON schema (the grammar cuts what it refuses; a string's repeats pass), and when
+    preempted (the draft's cache re-filled with the recomputed prompt). A draft that is
+    deliberately different (random, untied: it proposes other tokens) changes nothing but
+    acceptance."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     a = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
     b = tok.encode("Copy this: one two three four five six")
+    schema = '{"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}'
     cases = [(a, SamplingParams(), True), (a, SamplingParams(), True),
-             (b, SamplingParams(frequency_penalty=0.1), True), (b, SamplingParams(), False)]
+             (b, SamplingParams(frequency_penalty=0.1), True), (b, SamplingParams(), False),
+             (b, SamplingParams(), True, schema)]
     plain, _, _ = run_through_the_wire(tiny_model_dir, cases, "none")
+    assert tok.decode(plain[4].generated_tokens).lstrip().startswith('{"s": "')
     accepted = {}
     # (The different draft on two requests: each of its steps verifies little.)
     for draft, first in ((draft_model_dir, 0), (untied_tiny_model_dir, 2)):
@@ -256,7 +261,9 @@ def test_served_tokens_and_logprobs_equal_those_without_speculation(server, tiny
 def test_stop_strings_max_tokens_and_a_busy_batch(server):
     """Several tokens a step stream back as one would: a stop string ends the text and the
     count at the token completing it, max_tokens cuts an accepted run; requests that opt
-    out or are constrained by a JSON schema run beside speculating ones unchanged."""
+    out run beside speculating ones unchanged, and one constrained by a JSON schema
+    speculates too (the proposals its grammar refuses cut before verification), its output
+    unchanged."""
     text = complete(server, speculative_decoding=False)["choices"][0]["text"]
     stop = text[len(text) // 2:len(text) // 2 + 3]
     for body in (dict(stop=[stop]), dict(max_tokens=7), dict(max_tokens=13, stream=False)):
@@ -274,6 +281,7 @@ def test_stop_strings_max_tokens_and_a_busy_batch(server):
     for body, got in zip(bodies, together):
         alone = complete(server, **{**body, "speculative_decoding": False})
         assert got["choices"][0]["text"] == alone["choices"][0]["text"], body
+    assert together[3]["usage"]["speculative_decoding"]["num_draft_tokens"] > 0
 
 
 def test_cancelled_speculating_streams_leak_no_blocks(server):

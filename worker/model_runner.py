@@ -455,7 +455,7 @@ class ModelRunner:
             offset += k
             state = states[seq]
             try:
-                tokens, logprobs = verify_proposals(rows, drafts, state, width)
+                tokens, logprobs = verify_proposals(rows, drafts, state, width, self.grammars)
             except Exception as exc:
                 failed.setdefault(seq, describe(exc))
                 continue
@@ -534,15 +534,22 @@ class ModelRunner:
 
 
 def verify_proposals(logits: torch.Tensor, drafts: list[int], state: RequestSamplingState,
-                     width: int) -> tuple[list[int], TokenLogprobs | None]:
+                     width: int, grammars: GrammarCompiler | None = None,
+                     ) -> tuple[list[int], TokenLogprobs | None]:
     """The new tokens of a sequence that proposed `drafts`, from its k + 1 rows of raw
-    `logits` (`ModelRunner._verify`), and their log probabilities when it asks."""
-    if state.matcher is not None:
-        raise ValueError("structured output does not verify proposals")
+    `logits` (`ModelRunner._verify`), and their log probabilities when it asks. Under a
+    grammar (structured output) the proposals it refuses are cut first, each row is masked
+    as the one-token step masks it, and the matcher consumes the new tokens."""
+    matcher = state.matcher
+    if matcher is not None:
+        n, allowed = grammars.masks_along(matcher, drafts)
+        drafts, logits = drafts[:n], logits[:n + 1]
     raw = logits.clone() if state.logprobs else logits
     for j in range(len(logits)):  # (each row as the one-token step would process it)
         seen = replace(state, output_tokens=state.output_tokens + drafts[:j])
         process_logits(logits[j:j + 1], [seen])
+    if matcher is not None:
+        grammars.apply_masks(logits, list(range(len(logits))), allowed)
     draft = torch.tensor(drafts, dtype=torch.long)
     if state.params.is_greedy:
         tokens = rejection_sample(logits, draft, greedy=True)
@@ -550,6 +557,8 @@ def verify_proposals(logits: torch.Tensor, drafts: list[int], state: RequestSamp
         tokens = rejection_sample(probabilities(logits, state.params), draft,
                                   generator=state.generator)
     tokens = tokens.tolist()
+    if matcher is not None:
+        grammars.consume(matcher, tokens)
     if not state.logprobs:
         return tokens, None
     return tokens, token_logprobs(raw[:len(tokens)], torch.tensor(tokens), width)

@@ -124,6 +124,29 @@ class GrammarCompiler:
         return np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size,
                              bitorder="little")
 
+    def masks_along(self, matcher, drafts: list[int]) -> tuple[int, np.ndarray]:
+        """Speculative decoding: how many of the proposals `drafts` the grammar allows in a
+        row (n: those after are cut before verification), and the tokens it allows after
+        each of the first 0..n, [n + 1, vocab] (a verification's rows' masks). The matcher
+        is left where it was."""
+        n = matcher.validate_tokens(drafts)
+        masks = []
+        for j in range(n + 1):
+            masks.append(self.compute_masks([matcher])[0])
+            if j < n and not matcher.consume_token(drafts[j]):
+                raise ValueError(f"the grammar refused proposal {j} it had validated")
+        matcher.rollback(n)
+        return n, np.stack(masks)
+
+    @staticmethod
+    def consume(matcher, tokens: list[int]) -> None:
+        """A verification's new tokens, each allowed by its row's mask."""
+        failed: dict[int, str] = {}
+        for token in tokens:
+            GrammarCompiler._consume(matcher, token, 0, failed)
+            if failed:
+                raise ValueError(failed[0].removeprefix("structured output: "))
+
     @staticmethod
     def apply_masks(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> None:
         """Rows of `logits` [B, V] keep only the tokens their grammar allows (in place)."""

@@ -48,10 +48,10 @@ class Speculation:
 
     def applies(self, ctx: TextContext, num_running: int) -> bool:
         """Whether `ctx` may propose now: not when too many requests run, nor when it asked
-        not to, nor when its output is constrained (a grammar would have to cut the
-        proposals: such requests do not speculate), nor with a LoRA adapter (not yet)."""
-        return (num_running <= self.max_running and ctx.json_schema is None
-                and ctx.speculative_decoding and ctx.lora is None)
+        not to, nor with a LoRA adapter (not yet). (Structured output proposes too: the
+        worker cuts the proposals its grammar refuses before verifying them.)"""
+        return (num_running <= self.max_running and ctx.speculative_decoding
+                and ctx.lora is None)
 
     def propose(self, ctx: TextContext, num_running: int, max_tokens: int) -> np.ndarray:
         """The tokens `ctx` proposes to follow its last one (at most `max_tokens`), or none."""
