@@ -7,8 +7,9 @@ the same block tables: the scheduler's block accounting stays one, and a block t
 shares holds both models' entries. The scheduler marks a proposing sequence with k placeholder
 tokens after its last one (scheduler/speculative/proposer.py: DraftModelSlots); here
 
-  1. one forward of the draft over every sequence that proposes or feeds a prompt chunk: the
-     tokens it has not seen yet, up to the last real one; its last row gives proposal 1;
+  1. one forward of the draft over every sequence that proposes or feeds a prompt chunk (or
+     is new to it): the tokens it has not seen yet, up to the last real one; its last row
+     gives proposal 1;
   2. k - 1 one-token forwards (the native decode step) over the proposing sequences, each
      feeding the proposal before, give proposals 2..k;
 
@@ -74,7 +75,11 @@ class DraftModel:
         real_end = s - k  # (past each sequence's last real token)
         fed = np.zeros(len(contexts), dtype=bool)
         fed[proposing] = True
-        prompts = (q - k > 1) & np.array([type(ctx) is TextContext for ctx in contexts])
+        # Prompt chunks, and a request's first step whatever it feeds (a one-token prompt, or
+        # the token after a prefix-cache hit): what the draft sees of every request. (Not a
+        # request that ended, fed in a step built ahead: its entry would outlive it.)
+        prompts = ((q - k > 1) | np.array([ctx.request_id not in self.seen for ctx in contexts])) \
+            & np.array([type(ctx) is TextContext and not ctx.is_done for ctx in contexts])
         rows = np.flatnonzero(fed | prompts)
         if not len(rows):
             return np.zeros(0, dtype=np.int32)
