@@ -53,7 +53,10 @@ class DecodeLayer:
 
 class _LoRAWeights(ctypes.Structure):
     _fields_ = [("a", _P), ("b", _P), ("rank", ctypes.c_int), ("parts", ctypes.c_int),
-                ("bf16", ctypes.c_int), ("out_start", ctypes.c_int * 4)]
+                ("dtype", ctypes.c_int), ("out_start", ctypes.c_int * 4)]
+
+
+_LORA_DTYPE = {torch.float32: 0, torch.bfloat16: 1}  # decoder.c's LORA_*
 
 
 class _LayerWeights(ctypes.Structure):
@@ -186,7 +189,7 @@ class FusedDecode:
         if self.lora is None:
             return [_LoRAWeights()] * 4
         return [_LoRAWeights(t.A.data_ptr(), t.B.data_ptr(), t.width, len(t.parts),
-                             t.A.dtype == torch.bfloat16, (ctypes.c_int * 4)(*t.out_offsets))
+                             _LORA_DTYPE[t.A.dtype], (ctypes.c_int * 4)(*t.out_offsets))
                 for t in self.lora.layer_targets(layer)]
 
 

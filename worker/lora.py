@@ -10,12 +10,13 @@ and its B [3R, q+k+v], block-diagonal), so an adapter loads by copying into a sl
 adapters are kept least recently used first; one not resident is read from its directory
 when a step first needs it.
 
-Beside quantized or bfloat16 base weights the slots hold bfloat16 (`adapter_dtype`): every
-decode step reads every resident adapter it runs, and at rank 16 on all seven projections
-float32 adapters are a third of a 4-bit base's bytes; their bfloat16 rounding is far below
-the base's own. Beside float32 weights they stay float32 (the float oracle's exactness). The
-hooks multiply by a float32 widening of the stored values (torch's bfloat16 products are slow
-on CPUs without bfloat16 instructions; widening per step cost more than the products).
+Beside quantized base weights the slots hold bfloat16 (`adapter_dtype`): every decode step
+reads every adapter it runs, and at rank 16 on all seven projections float32 adapters are a
+third of a 4-bit base's bytes; their bfloat16 rounding is far below the base's own. Beside
+float weights they keep the weights' dtype (the float oracle's exactness). The hooks multiply
+by a widening of the stored values to the compute dtype, made as the adapter loads (torch's
+bfloat16 products are slow on CPUs without bfloat16 instructions, and widening in each step
+cost more than the products).
 
 The one-call native decode step (worker/fused_decode.py, decoder.c) reads the same slot
 tensors and adds the deltas itself, each row with its own slot (`row_slots`); the hooks serve
@@ -45,8 +46,7 @@ TARGETS = (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
 class _Target:
     """One projection's adapter weights, all slots: A [slots, in, parts*R], B [slots,
     parts*R, out], and the same widened to the model's compute dtype for the hooks (the same
-    tensors where the dtypes agree): torch multiplies a float32 x by float32 weights, and the
-    widened copy holds the stored (rounded) values, so both paths compute with one adapter."""
+    tensors where the dtypes agree)."""
 
     def __init__(self, parts, shapes, slots, rank, dtype, compute_dtype, device) -> None:
         self.parts = parts
@@ -59,15 +59,22 @@ class _Target:
         self.A_compute, self.B_compute = (self.A, self.B) if dtype == compute_dtype else (
             self.A.to(compute_dtype), self.B.to(compute_dtype))
 
-    def widen(self, slot: int) -> None:
+    def zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One slot's a and b in float32, zeros (store's arguments, to be filled)."""
+        return torch.zeros(self.A.shape[1:]), torch.zeros(self.B.shape[1:])
+
+    def store(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slot `slot` holds a [in, parts*R] and b [parts*R, out] (rounded to the slots'
+        dtype; the widened copy holds the rounded values, so both paths compute with the
+        same adapter)."""
+        self.A[slot], self.B[slot] = a, b
         if self.A_compute is not self.A:
-            self.A_compute[slot] = self.A[slot]
-            self.B_compute[slot] = self.B[slot]
+            self.A_compute[slot], self.B_compute[slot] = self.A[slot], self.B[slot]
 
 
 def adapter_dtype(weights_dtype: torch.dtype, quantized: bool) -> torch.dtype:
     """The dtype the slots hold beside base weights of `weights_dtype` (module doc)."""
-    return torch.bfloat16 if quantized or weights_dtype == torch.bfloat16 else weights_dtype
+    return torch.bfloat16 if quantized else weights_dtype
 
 
 class LoRASlots:
@@ -182,10 +189,7 @@ class LoRASlots:
                 raise ValueError(f"LoRA adapter {adapter.name}: unexpected weight {key}")
             layer, module, part = parsed
             pairs.setdefault((layer, module), {})[part] = value
-        targets = set(self.targets.values())
-        for target in targets:
-            target.A[slot].zero_()
-            target.B[slot].zero_()
+        staged: dict[_Target, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad():
             for (layer, module), ab in pairs.items():
                 target = self.targets[(layer, module)]
@@ -194,12 +198,14 @@ class LoRASlots:
                 if rank > self.max_rank:
                     raise ValueError(f"LoRA adapter {adapter.name}: rank {rank} above "
                                      f"{self.max_rank}")
+                if target not in staged:
+                    staged[target] = target.zeros()
                 p = target.parts.index(module)
                 cols = slice(p * self.max_rank, p * self.max_rank + rank)
                 out = slice(target.out_offsets[p], target.out_offsets[p + 1])
-                target.A[slot][:, cols] = a.t().to(target.A.dtype)
-                target.B[slot][cols, out] = (b.t() * scaling(config, rank)).to(target.B.dtype)
-            for target in targets:
-                target.widen(slot)
+                staged[target][0][:, cols] = a.t().float()
+                staged[target][1][cols, out] = b.t().float() * scaling(config, rank)
+            for target in set(self.targets.values()):
+                target.store(slot, *(staged.get(target) or target.zeros()))
         logger.info("LoRA adapter %s loaded from %s into slot %d in %.2fs", adapter.name,
                     adapter.path, slot, time.monotonic() - started)

@@ -40,13 +40,14 @@ typedef struct Projection {
 } Projection;
 
 /* One projection's LoRA adapters (worker/lora.py), one slot each: a [slots, K, rank] and
- * b [slots, rank, N], float32 or bfloat16 (`bf16`), a fused projection's `parts` side by side
- * (rank / parts columns of a each, zeros where an adapter has a smaller rank or no delta for
- * a part). b is block-diagonal: part p's rows are zero outside columns out_start[p] ..
+ * b [slots, rank, N], float32 or bfloat16 (`dtype`), a fused projection's `parts` side by
+ * side (rank / parts columns of a each, zeros where an adapter has a smaller rank or no delta
+ * for a part). b is block-diagonal: part p's rows are zero outside columns out_start[p] ..
  * out_start[p + 1], so only those are read. a == NULL: none. */
+enum { LORA_F32 = 0, LORA_BF16 = 1 };
 typedef struct {
     const void *a, *b;
-    int rank, parts, bf16;
+    int rank, parts, dtype;
     int out_start[4];
 } LoRAWeights;
 enum { LORA_MAX_SLOTS = 256 }; /* slots beyond are base rows */
@@ -172,70 +173,97 @@ static LoRAGroups *lora_groups(const int32_t *row_slots, int T) {
     return g;
 }
 
-static inline float bf16_value(uint16_t v) {
-    const uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* VLEN adapter weights from p[i] on, widened to float32 (dtype: a constant where inlined). */
+ALWAYS_INLINE vec lora_vload(const void *p, int64_t i, const int dtype) {
+    if (dtype == LORA_BF16)
+        return vload_bf16((const uint16_t *)p + i);
+    return vload((const float *)p + i);
 }
 
-/* u = x a for one row (a: [K, rank] of one slot). */
-static void lora_shrink_row(const LoRAWeights *l, const void *a, const float *x, int K,
-                            float *u) {
-    const int rank = l->rank;
-    for (int k = 0; k < rank; k++)
-        u[k] = 0.0f;
-    if (l->bf16) {
-        for (int j = 0; j < K; j++) {
-            const float xj = x[j];
-            const uint16_t *aj = (const uint16_t *)a + (int64_t)j * rank;
-            for (int k = 0; k < rank; k++)
-                u[k] += xj * bf16_value(aj[k]);
-        }
-    } else {
-        for (int j = 0; j < K; j++) {
-            const float xj = x[j];
-            const float *aj = (const float *)a + (int64_t)j * rank;
-            for (int k = 0; k < rank; k++)
-                u[k] += xj * aj[k];
-        }
+ALWAYS_INLINE float lora_load(const void *p, int64_t i, const int dtype) {
+    if (dtype == LORA_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
     }
+    return ((const float *)p)[i];
 }
 
-/* y += u b for one row (b: [rank, N] of one slot), each rank column only over its part's
- * output columns; a column the adapter leaves zero costs no pass. */
-static void lora_expand_row(const LoRAWeights *l, const void *b, const float *u, int N,
-                            float *y) {
-    const int part_rank = l->rank / l->parts;
-    for (int k = 0; k < l->rank; k++) {
-        const float uk = u[k];
-        if (uk == 0.0f)
-            continue;
-        const int p = k / part_rank, n0 = l->out_start[p], n1 = l->out_start[p + 1];
-        if (l->bf16) {
-            const uint16_t *bk = (const uint16_t *)b + (int64_t)k * N;
-            for (int n = n0; n < n1; n++)
-                y[n] += uk * bf16_value(bk[n]);
-        } else {
-            const float *bk = (const float *)b + (int64_t)k * N;
-            for (int n = n0; n < n1; n++)
-                y[n] += uk * bk[n];
-        }
+/* u[c .. c + NV * VLEN) = x a over those columns, the sums in registers. */
+ALWAYS_INLINE void shrink_columns(const void *a, const float *x, int K, int rank, int c,
+                                  float *u, const int NV, const int dtype) {
+    vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    for (int j = 0; j < K; j++) {
+        const vec xj = vbcast(x + j);
+        for (int v = 0; v < NV; v++)
+            acc[v] = vfma(xj, lora_vload(a, (int64_t)j * rank + c + v * VLEN, dtype), acc[v]);
+    }
+    for (int v = 0; v < NV; v++)
+        vstore(u + c + v * VLEN, acc[v]);
+}
+
+/* y[n .. n + NV * VLEN) += u[k0 .. k1) b over those columns, the sums in registers. */
+ALWAYS_INLINE void expand_columns(const void *b, const float *u, int N, int k0, int k1, int n,
+                                  float *y, const int NV, const int dtype) {
+    vec acc[4];
+    for (int v = 0; v < NV; v++)
+        acc[v] = vload(y + n + v * VLEN);
+    for (int k = k0; k < k1; k++) {
+        const vec uk = vbcast(u + k);
+        for (int v = 0; v < NV; v++)
+            acc[v] = vfma(uk, lora_vload(b, (int64_t)k * N + n + v * VLEN, dtype), acc[v]);
+    }
+    for (int v = 0; v < NV; v++)
+        vstore(y + n + v * VLEN, acc[v]);
+}
+
+/* u = x a for one row (a: [K, rank] of one slot), then y += u b (b: [rank, N]), each part's
+ * rank columns only over its own output columns. Four vectors of sums at a time stay in
+ * registers (the compiler's own vectorization of the plain loops kept them in memory: the
+ * deltas cost about twice as much). */
+ALWAYS_INLINE void lora_row(const LoRAWeights *l, const void *a, const void *b,
+                            const float *x, int K, int N, float *u, float *y, const int dtype) {
+    const int rank = l->rank, part_rank = rank / l->parts;
+    int c = 0;
+    for (; c + 4 * VLEN <= rank; c += 4 * VLEN)
+        shrink_columns(a, x, K, rank, c, u, 4, dtype);
+    switch ((rank - c) / VLEN) {
+    case 3: shrink_columns(a, x, K, rank, c, u, 3, dtype); break;
+    case 2: shrink_columns(a, x, K, rank, c, u, 2, dtype); break;
+    case 1: shrink_columns(a, x, K, rank, c, u, 1, dtype); break;
+    }
+    for (c += (rank - c) / VLEN * VLEN; c < rank; c++) {
+        float sum = 0.0f;
+        for (int j = 0; j < K; j++)
+            sum += x[j] * lora_load(a, (int64_t)j * rank + c, dtype);
+        u[c] = sum;
+    }
+    for (int p = 0; p < l->parts; p++) {
+        const int k0 = p * part_rank, k1 = k0 + part_rank;
+        const int n1 = l->out_start[p + 1];
+        int n = l->out_start[p];
+        for (; n + 4 * VLEN <= n1; n += 4 * VLEN)
+            expand_columns(b, u, N, k0, k1, n, y, 4, dtype);
+        for (; n + VLEN <= n1; n += VLEN)
+            expand_columns(b, u, N, k0, k1, n, y, 1, dtype);
+        for (; n < n1; n++)
+            for (int k = k0; k < k1; k++)
+                y[n] += u[k] * lora_load(b, (int64_t)k * N + n, dtype);
     }
 }
 
 /* y[t] += (x[t] a_s) b_s for each row t of an adapter (slot s), by the team: Punica's
  * BGMV, each row its own adapter. The team splits the rows in slot order, so a thread's rows
- * mostly share one adapter's a and b, read from its cache after the first; the loops run
- * along the rank, then along the outputs, so both vectorize. One worksharing loop: one
- * barrier per projection (on a busy machine each costs more than the arithmetic). `u`:
- * [T, rank] scratch. */
+ * mostly share one adapter's a and b, read from its cache after the first. One worksharing
+ * loop: one barrier per projection (on a busy machine each costs more than the arithmetic).
+ * `u`: [T, rank] scratch. */
 static void lora_add(const LoRAWeights *l, const LoRAGroups *g, const float *x, int64_t ldx,
                      float *y, int64_t ldy, int N, int K, float *u) {
     if (!l->a || !g)
         return;
     const int rank = l->rank, rows = g->start[g->groups];
-    const int64_t elem = l->bf16 ? 2 : 4;
+    const int64_t elem = l->dtype == LORA_BF16 ? 2 : 4;
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const int t = g->order[r];
@@ -243,11 +271,14 @@ static void lora_add(const LoRAWeights *l, const LoRAGroups *g, const float *x, 
         while (r >= g->start[gi + 1])
             gi++;
         const int64_t slot = g->slot[gi];
-        float *ut = u + (int64_t)t * rank;
-        lora_shrink_row(l, (const char *)l->a + slot * K * rank * elem, x + (int64_t)t * ldx,
-                        K, ut);
-        lora_expand_row(l, (const char *)l->b + slot * rank * N * elem, ut, N,
-                        y + (int64_t)t * ldy);
+        const void *a = (const char *)l->a + slot * K * rank * elem;
+        const void *b = (const char *)l->b + slot * rank * N * elem;
+        const float *xt = x + (int64_t)t * ldx;
+        float *ut = u + (int64_t)t * rank, *yt = y + (int64_t)t * ldy;
+        if (l->dtype == LORA_BF16)
+            lora_row(l, a, b, xt, K, N, ut, yt, LORA_BF16);
+        else
+            lora_row(l, a, b, xt, K, N, ut, yt, LORA_F32);
     }
 }
 
