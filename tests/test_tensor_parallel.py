@@ -164,9 +164,21 @@ def test_the_default_gguf_split_agrees_with_transformers(gguf_oracle):
 # ---- through the server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def split_server(smollm2_dir):
-    srv = start_server(smollm2_dir, *TP2)
+    """The module's one split SmolLM2 (a two-rank start costs seconds): its whole cache (all
+    ranks) holds 8 blocks x 16 tokens, as in test_server_oracle's preemption test, and
+    prompts are prefilled 5 tokens a step, so every test here also runs through chunked
+    prefill, and concurrent ones through preemption."""
+    kv_bytes = 8 * 16 * 2 * 30 * 3 * 64 * 4
+    srv = start_server(smollm2_dir, *TP2, "--max-model-len", "128", "--kv-cache-memory",
+                       str(kv_bytes), "--max-num-batched-tokens", "5")
     yield srv
     assert srv.stop() == 0
+
+
+def preemptions(url: str) -> float:
+    metrics = httpx.get(url + "/metrics").text
+    return float(re.search(r"^loom:num_preemptions_total\{.*\} (\S+)$", metrics,
+                           re.M).group(1))
 
 
 def test_split_model_equals_transformers_alone_and_batched(split_server, oracle):  # noqa: F811
@@ -191,20 +203,11 @@ def test_split_model_streams_to_the_openai_client(split_server, oracle):  # noqa
     assert "".join(c.choices[0].text for c in stream if c.choices) == oracle[prompt][0]
 
 
-def test_split_model_chunked_prefill_and_preemption(smollm2_dir, oracle):  # noqa: F811
-    # The whole cache (all ranks) holds 8 blocks x 16 tokens, as in test_server_oracle's
-    # preemption test; prompts are prefilled 5 tokens a step.
-    kv_bytes = 8 * 16 * 2 * 30 * 3 * 64 * 4
-    srv = start_server(smollm2_dir, *TP2, "--max-model-len", "128", "--kv-cache-memory",
-                       str(kv_bytes), "--max-num-batched-tokens", "5")
-    try:
-        check_all(srv.url, oracle, concurrent=True)
-        metrics = httpx.get(srv.url + "/metrics").text
-        preemptions = re.search(r"^loom:num_preemptions_total\{.*\} (\S+)$", metrics, re.M)
-        assert float(preemptions.group(1)) > 0
-        assert re.search(r"= 8 blocks x 16", srv.log())
-    finally:
-        assert srv.stop() == 0
+def test_split_model_chunked_prefill_and_preemption(split_server, oracle):  # noqa: F811
+    before = preemptions(split_server.url)
+    check_all(split_server.url, oracle, concurrent=True)
+    assert preemptions(split_server.url) > before
+    assert re.search(r"= 8 blocks x 16", split_server.log())
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
