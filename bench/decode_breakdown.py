@@ -11,7 +11,7 @@ included). Each round measures, side by side:
 - the read bandwidth (bench/bandwidth.py) with the same threads, right before the steps;
 - every step's time (the calling thread's CPU time with one thread, which other processes'
   use of the cores does not inflate; wall time otherwise), and inside it the CPU time of the
-  embedding lookup, the layer stack (the one native call), the final norm, the output layer
+  embedding lookup, the layer stack and the final norm (the one native call), the output layer
   and sampling (the rest: Python in the runner and the pipeline);
 - inside the layer stack, each part of a layer (a LOOM_DECODE_PROFILE build of decoder.c).
 The report: the step against weights / bandwidth, and each part's share; medians over steps,
@@ -127,8 +127,7 @@ def measure(model_path: str, threads: int, context: int, steps: int, rounds: int
     nbytes = weight_bytes(model)
     parts: dict[str, float] = {}
     model.fused_decode = _Timed(model.fused_decode, "layers", parts, clock)
-    for name, module in (("embedding", model.embed_tokens), ("final norm", model.norm),
-                         ("lm_head", model.lm_head)):
+    for name, module in (("embedding", model.embed_tokens), ("lm_head", model.lm_head)):
         module.forward = _Timed(module.forward, name, parts, clock)
     model_runner.sample_isolated = _Timed(model_runner.sample_isolated, "sampling", parts,
                                           clock)

@@ -60,6 +60,8 @@ class AttentionMetadata:
 def build_attention_metadata(
     query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int
 ) -> AttentionMetadata:
+    if len(query_lens) and (query_lens == 1).all():
+        return _decode_metadata(seq_lens, block_tables, block_size)
     query_lens = query_lens.astype(np.int64)
     seq_lens = seq_lens.astype(np.int64)
     starts = seq_lens - query_lens
@@ -84,6 +86,35 @@ def build_attention_metadata(
         slot_mapping=torch.from_numpy(slots),
         groups=groups,
     )
+
+
+def _decode_metadata(seq_lens: np.ndarray, block_tables: np.ndarray,
+                     block_size: int) -> AttentionMetadata:
+    """`build_attention_metadata` of a step whose sequences all feed one token (every decode
+    step): the same arrays, built without the general case's padding and masking steps,
+    which cost a decode step of a small model ~0.15 ms of Python."""
+    s_lens = seq_lens.astype(np.int64)
+    rows = np.arange(len(s_lens))
+    positions = s_lens - 1
+    slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    num_blocks = -(-int(s_lens.max()) // block_size)
+    table = np.maximum(block_tables[:, :num_blocks], 0).astype(np.int32)
+    mask = np.arange(num_blocks * block_size) < s_lens[:, None, None, None]
+    group = AttentionGroup(
+        query_index=torch.from_numpy(rows[:, None]),
+        query_valid=torch.ones(len(rows), 1, dtype=torch.bool),
+        valid_rows=torch.from_numpy(rows),
+        block_tables=torch.from_numpy(table),
+        mask=torch.from_numpy(mask),
+        single_query=True,
+        seq_lens=torch.from_numpy(s_lens.astype(np.int32)),
+        q_lens=torch.ones(len(rows), dtype=torch.int32),
+        first_rows=torch.from_numpy(rows.astype(np.int32)),
+        fresh=False,
+    )
+    return AttentionMetadata(positions=torch.from_numpy(positions),
+                             slot_mapping=torch.from_numpy(slots), groups=[group])
 
 
 def _build_group(members, query_lens, seq_lens, first_row, tables, block_size) -> AttentionGroup:

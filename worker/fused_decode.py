@@ -81,7 +81,7 @@ if _lib is not None:
     _lib.loom_decode_layers.restype = ctypes.c_int
     _lib.loom_decode_layers.argtypes = [
         ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), ctypes.c_int,
-        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int]
+        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int, _P]
 
 
 class FusedDecode:
@@ -129,9 +129,11 @@ class FusedDecode:
         """A step whose sequences all feed one token (the rows are the sequences, in order)."""
         return len(meta.groups) == 1 and meta.groups[0].single_query
 
-    def __call__(self, x: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the step's embeddings [T, hidden] (overwritten). Returns (hidden, residual)."""
+    def __call__(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                 final_norm: torch.Tensor) -> torch.Tensor:
+        """x: the step's embeddings [T, hidden] (overwritten). Returns the model's final norm
+        (`final_norm`: the float32 factors it multiplies by) of the last layer's output, in
+        x: the rows the output layer reads."""
         if kv_cache.dtype != self.cache_dtype:
             raise TypeError(f"fused decode: built for a {self.cache_dtype} KV cache, given a "
                             f"{kv_cache.dtype} one")
@@ -146,14 +148,14 @@ class FusedDecode:
             residual.data_ptr(), tokens, meta.positions.data_ptr(),
             meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
             group.seq_lens.data_ptr(), group.block_tables.shape[1],
-            *self._lora_rows(tokens))
+            *self._lora_rows(tokens), _pointer(final_norm))
         if rc == -1:
             raise RuntimeError("the fused decode step failed: a projection has no kernel in "
                                "this build of decoder.c")
         if rc != 0:
             raise MemoryError(f"the fused decode step failed ({rc}): scratch memory could not "
                               f"be had")
-        return x, residual
+        return x
 
     def _lora_rows(self, tokens: int) -> tuple[int | None, int]:
         """(the rows' slots, the widest rank) for the kernel; (None, 0): no adapter rows."""

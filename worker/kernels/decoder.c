@@ -291,7 +291,10 @@ static int projection_ok(const Projection *p, int K) {
     return 1;
 }
 
-/* x [T, hidden] in: the embeddings; out: the last layer's MLP output. residual [T, hidden] out.
+/* x [T, hidden] in: the embeddings; out: the last layer's MLP output, or with final_norm
+ * (its factors, [hidden]) the model's final norm of it: rmsnorm(residual + x), the rows the
+ * output layer reads (the same function as the Python path's norm: the same numbers, and a
+ * step's Python calls fewer). residual [T, hidden] out.
  * positions, slots [T]; block_tables [T, max_blocks]; seq_lens [T] (tokens to attend to,
  * this one included). bf16: the cache is bfloat16 (activations stay float32).
  *
@@ -305,7 +308,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                        float *x, float *residual, int T, const int64_t *positions,
                        const int64_t *slots, const int32_t *block_tables,
                        const int32_t *seq_lens, int max_blocks, const int32_t *lora_slots,
-                       int lora_rank) {
+                       int lora_rank, const float *final_norm) {
     const int hidden = d->hidden, inter = d->intermediate;
     const int q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     const int qkv_width = q_size + 2 * kv_size;
@@ -429,6 +432,15 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                   h + (int64_t)t * hidden, hidden, d->eps);
             }
             PROFILE_MARK(PART_DOWN);
+        }
+        if (final_norm) {
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                float *xt = x + (int64_t)t * hidden, *ht = h + (int64_t)t * hidden;
+                loom_add_rms_norm(residual + (int64_t)t * hidden, xt, final_norm, ht, 1, hidden,
+                                  d->eps);
+                memcpy(xt, ht, sizeof(float) * (size_t)hidden);
+            }
         }
     }
 done:

@@ -214,12 +214,12 @@ class Gemma3ForCausalLM(nn.Module, PagedCausalLM):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
-        hidden, residual = self._embed(input_ids), None
+        hidden = self._embed(input_ids)
         if self.fused_decode is not None and self.fused_decode.applies(meta):
-            hidden, residual = self.fused_decode(hidden, meta, kv_cache)
+            x = self.fused_decode(hidden, meta, kv_cache, self.norm.scale)[logits_rows]
         else:
             hidden, residual = self._layers_forward(hidden, meta, kv_cache)
-        x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
+            x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
         logits = self.lm_head(x).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -241,16 +241,16 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         """The decoder over input embeddings [T, hidden] (a vision model's images merged in).
         `rotary`: the step's own tables, looked up at meta.positions (Qwen2-VL's M-RoPE);
         the fused decode step reads only the model's."""
-        residual = None
         if rotary is None and self.fused_decode is not None and self.fused_decode.applies(meta):
-            hidden, residual = self.fused_decode(hidden, meta, kv_cache)
-        else:
-            rotary = self.rotary if rotary is None else rotary
-            if self.sliding_window:
-                meta = sliding_window_metadata(meta, self.sliding_window, kv_cache.shape[3])
-            for i, layer in enumerate(self.layers):
-                hidden, residual = layer(hidden, residual, rotary, kv_cache[i, 0],
-                                         kv_cache[i, 1], meta)
+            return self.lm_head(self.fused_decode(hidden, meta, kv_cache,
+                                                  self.norm.weight)[logits_rows]).float()
+        residual = None
+        rotary = self.rotary if rotary is None else rotary
+        if self.sliding_window:
+            meta = sliding_window_metadata(meta, self.sliding_window, kv_cache.shape[3])
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, rotary, kv_cache[i, 0],
+                                     kv_cache[i, 1], meta)
         x, _ = self.norm(hidden[logits_rows], residual[logits_rows])
         return self.lm_head(x).float()
 
