@@ -113,3 +113,35 @@ def test_decode_step_logits_equal_the_python_path(runner):
                 runner.model.fused_decode = fused_path
         torch.testing.assert_close(fused, python, rtol=1e-4, atol=atol)
         sched.update(step, run_step(runner, step))
+
+
+def test_decode_step_metadata_equals_the_general_build():
+    """A step of one-token rows takes build_attention_metadata's shortcut; its metadata must
+    be what the general build gives those rows (here: the same rows with a prefill chunk
+    after them, which takes the general build): positions, slots, tables (padding read as
+    block 0) and the mask the Python path attends with."""
+    rng = np.random.default_rng(0)
+    block_size = 4
+    for _ in range(20):
+        n = int(rng.integers(1, 6))
+        seq_lens = rng.integers(1, 30, n).astype(np.int32)
+        width = int(-(-seq_lens.max() // block_size)) + int(rng.integers(0, 3))
+        tables = np.full((n + 1, width), -1, np.int32)
+        for i, s in enumerate(seq_lens):
+            used = -(-int(s) // block_size)
+            tables[i, :used] = rng.choice(200, used, replace=False)
+        tables[n, 0] = 201  # (the prefill chunk's: 3 tokens, one block)
+        decode = build_attention_metadata(np.ones(n, np.int32), seq_lens, tables[:n],
+                                          block_size)
+        general = build_attention_metadata(np.append(np.ones(n, np.int32), 3),
+                                           np.append(seq_lens, 3), tables, block_size)
+        assert torch.equal(decode.positions, general.positions[:n])
+        assert torch.equal(decode.slot_mapping, general.slot_mapping[:n])
+        assert len(decode.groups) == 1
+        got, want = decode.groups[0], general.groups[0]
+        for name, value in vars(want).items():
+            if isinstance(value, torch.Tensor):
+                mine = getattr(got, name)
+                assert mine.dtype == value.dtype and torch.equal(mine, value), name
+            else:
+                assert getattr(got, name) == value, name
