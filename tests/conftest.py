@@ -89,6 +89,16 @@ def shared_server():
 
 
 @pytest.fixture(scope="session")
+def chunked_server(shared_server, smollm2_dir):
+    """SmolLM2 prefilled 6 tokens a step, with a cache of 8 blocks x 16 tokens that eight
+    concurrent requests overflow (so they are preempted and recomputed): test_server_oracle's
+    chunked prefill and preemption tests' and test_logprobs' chunked logprobs."""
+    kv_bytes = 8 * 16 * 2 * 30 * 3 * 64 * 4  # blocks x tokens x (k, v) x layers x heads x dim
+    return shared_server(smollm2_dir, "--max-num-batched-tokens", "6", "--max-model-len", "128",
+                         "--kv-cache-memory", str(kv_bytes))
+
+
+@pytest.fixture(scope="session")
 def lora_dir(tmp_path_factory) -> str:
     """The directory tiny_server loads LoRA adapters from (tests/test_lora.py writes them)."""
     return str(tmp_path_factory.mktemp("lora-adapters"))

@@ -18,8 +18,8 @@ def server(request, shared_server, smollm2_dir):
         yield shared_server(smollm2_dir)
         return
     # "chunked": a 6-token budget splits every prompt across steps, and echo logprobs must
-    # still come out complete and in order (the server of test_server_oracle's chunked test).
-    yield shared_server(smollm2_dir, "--max-num-batched-tokens", "6")
+    # still come out complete and in order (conftest's chunked_server).
+    yield request.getfixturevalue("chunked_server")
 
 
 def hf_logprobs(model, ids):

@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from tests.helpers import hf_greedy, start_server
+from tests.helpers import hf_greedy
 from tests.oracle_cache import cached_oracle
 
 PROMPTS = [
@@ -73,27 +73,25 @@ def test_concurrent_requests_share_batches(server, oracle):
     check_all(server.url, oracle, concurrent=True)
 
 
-def test_chunked_prefill(shared_server, smollm2_dir, oracle):
-    # (shared with test_logprobs' chunked logprobs; its exit code is checked at the end)
-    srv = shared_server(smollm2_dir, "--max-num-batched-tokens", "6")
-    check_all(srv.url, oracle, concurrent=True)
+def test_chunked_prefill(chunked_server, oracle):
+    check_all(chunked_server.url, oracle, concurrent=True)
 
 
-def test_preemption_under_a_small_kv_cache(smollm2_dir, oracle):
+def test_preemption_under_a_small_kv_cache(chunked_server, oracle):
     # 8 requests of ~10-token prompts + 24 new tokens need ~270 tokens of KV at once; the cache
     # holds 8 blocks x 16 = 128 tokens, so requests are preempted and recomputed.
-    kv_bytes = 8 * 16 * 2 * 30 * 3 * 64 * 4
-    srv = start_server(smollm2_dir, "--max-model-len", "128", "--kv-cache-memory", str(kv_bytes))
-    try:
-        check_all(srv.url, oracle, concurrent=True)
-        metrics = httpx.get(srv.url + "/metrics").text
-        preemptions = float(re.search(r"^loom:num_preemptions_total\{.*\} (\S+)$", metrics,
-                                      re.M).group(1))
-        assert preemptions > 0
-        usage = float(re.search(r"^loom:kv_cache_usage_perc\{.*\} (\S+)$", metrics, re.M).group(1))
-        assert usage == 0.0
-    finally:
-        assert srv.stop() == 0
+    before = preemptions(chunked_server.url)
+    check_all(chunked_server.url, oracle, concurrent=True)
+    assert preemptions(chunked_server.url) > before
+    metrics = httpx.get(chunked_server.url + "/metrics").text
+    usage = float(re.search(r"^loom:kv_cache_usage_perc\{.*\} (\S+)$", metrics, re.M).group(1))
+    assert usage == 0.0
+
+
+def preemptions(url: str) -> float:
+    metrics = httpx.get(url + "/metrics").text
+    return float(re.search(r"^loom:num_preemptions_total\{.*\} (\S+)$", metrics,
+                           re.M).group(1))
 
 
 def test_chat_answers_paris(server):

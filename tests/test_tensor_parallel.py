@@ -22,7 +22,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipelines.checkpoint.model_config import load_model_config
 from tests.helpers import ROOT, hf_greedy, make_tiny_checkpoint, start_server, wait_gone
 from tests.test_operations import stream_until_end
-from tests.test_server_oracle import PROMPTS, check_all, oracle  # noqa: F401 (a fixture)
+from tests.test_server_oracle import (  # noqa: F401 (oracle: a fixture)
+    PROMPTS,
+    check_all,
+    oracle,
+    preemptions,
+)
 from tests.tp_child import sum_through_shared_memory
 from worker.tensor_parallel import (
     ShardPlan,
@@ -173,12 +178,6 @@ def split_server(smollm2_dir):
                        str(kv_bytes), "--max-num-batched-tokens", "5")
     yield srv
     assert srv.stop() == 0
-
-
-def preemptions(url: str) -> float:
-    metrics = httpx.get(url + "/metrics").text
-    return float(re.search(r"^loom:num_preemptions_total\{.*\} (\S+)$", metrics,
-                           re.M).group(1))
 
 
 def test_split_model_equals_transformers_alone_and_batched(split_server, oracle):  # noqa: F811
