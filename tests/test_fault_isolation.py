@@ -11,7 +11,7 @@ from pipelines import SamplingParams, TextContext
 from pipelines.config import PipelineConfig
 from pipelines.status import GenerationStatus
 from tests.helpers import hf_greedy
-from worker import logits_processors
+from worker import logits_processors, sampler
 from worker.pipeline import TextGenerationPipeline
 from worker.structured_output import GrammarCompiler
 
@@ -36,14 +36,25 @@ def _penalty_fails_at_third_token(values, state):
 PENALISE = logits_processors._penalise
 
 
+def _filter_fails_for_top_p(row, params):
+    if params.top_p < 1.0:
+        raise RuntimeError("injected fault")
+    return KEPT_FLOOR(row, params)
+
+
+KEPT_FLOOR = sampler._kept_floor
+
+
 def _schema_does_not_compile(self, json_schema):
     raise ValueError("injected compile failure")
 
 
 # Each fault, and the culprit's sampling parameters (and JSON schema).
 FAULTS = {
-    # The probe of issue 26: the top_k tensor overflows in the batched draw.
-    "top_k past int64": (SamplingParams(top_k=2**64 - 1, temperature=1.0), None, None),
+    # Its filters raise in the batched draw (issue 26's probe, a top_k past int64, raised
+    # there until the CPU's filters became per-row thresholds, where it means no top-k).
+    "draw": (SamplingParams(top_k=0, top_p=0.9, temperature=1.0), None,
+             (sampler, "_kept_floor", _filter_fails_for_top_p)),
     # The generator cannot take the seed: the request's sampling state is never built.
     "seed past uint64": (SamplingParams(top_k=0, seed=2**65), None, None),
     # Its penalty raises mid-generation, after two good tokens.

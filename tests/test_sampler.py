@@ -45,6 +45,7 @@ def test_top_k_top_p_min_p_restrict_the_support():
         (SamplingParams(top_k=0, top_p=0.75, seed=0), {0, 1}),
         (SamplingParams(top_k=0, min_p=0.5, seed=0), {0, 1}),
         (SamplingParams(top_k=0, top_p=0.5, seed=0), {0}),
+        (SamplingParams(top_k=2**64 - 1, top_p=0.75, seed=0), {0, 1}),  # (past int64: no top-k)
     ]:
         st = states(params)[0]
         drawn = {sample(logits, [st]).item() for _ in range(300)}
@@ -82,34 +83,32 @@ def test_draws_skip_a_zero_probability_token_between_others():
     assert torch.allclose(counts, probs, atol=0.03)
 
 
-def test_a_large_vocabulary_is_filtered_as_a_full_ranking_would(monkeypatch):
-    # Past a few thousand tokens the filters rank only the tokens near each row's best one
-    # (a full sort of Orpheus' 157k vocabulary took ~25 ms a row); the kept tokens and their
-    # probabilities must be the full ranking's, for peaked and flat rows alike.
+def test_the_cpu_thresholds_keep_what_the_ranking_keeps():
+    # On the CPU the filters are thresholds found without sorting the whole vocabulary (a
+    # full sort of Orpheus' 157k logits took ~25 ms a row): the kept tokens and their
+    # probabilities must be the ranking definition's, for peaked and flat rows alike.
     torch.manual_seed(5)
     vocab = 60_000
-    logits = torch.randn(6, vocab) * torch.tensor([[8.0], [4.0], [2.0], [1.0], [6.0], [3.0]])
+    scale = torch.tensor([[8.0], [4.0], [2.0], [1.0], [6.0], [3.0], [0.1], [0.1]])
+    logits = torch.randn(8, vocab) * scale
     params = [SamplingParams(top_k=0, top_p=0.9), SamplingParams(top_k=0, min_p=0.05),
               SamplingParams(top_k=40, top_p=0.95, temperature=0.7),
               SamplingParams(top_k=5000), SamplingParams(top_k=0, top_p=0.5, min_p=0.1),
-              SamplingParams(top_k=0, top_p=0.8, temperature=1.3)]
-    candidates = sampler._filter_candidates
-    used = []
-    monkeypatch.setattr(sampler, "_filter_candidates",
-                        lambda *a: used.append(candidates(*a)) or used[-1])
-    fast = torch.cat([sampler.probabilities(logits[i:i + 1], p) for i, p in enumerate(params)])
-    batched, batched_ids = sampler._filtered_probs(logits, params)
-    assert all(r is not None for r in used)  # (the candidates' path was taken every time)
-    monkeypatch.setattr(sampler, "_filter_candidates", lambda *a: None)
-    full = torch.cat([sampler.probabilities(logits[i:i + 1], p) for i, p in enumerate(params)])
-    assert torch.equal(fast > 0, full > 0)
-    assert torch.allclose(fast, full, rtol=1e-5, atol=1e-7)
-    scattered = torch.zeros(logits.shape).scatter_(1, batched_ids, batched)
-    assert torch.allclose(scattered / scattered.sum(-1, keepdim=True), full,
-                          rtol=1e-5, atol=1e-7)
-    # A flat row whose top-p reaches far past the near tokens is ranked in full.
-    used.clear()
-    monkeypatch.setattr(sampler, "_filter_candidates",
-                        lambda *a: used.append(candidates(*a)) or used[-1])
-    flat = sampler.probabilities(torch.randn(1, vocab) * 0.1, SamplingParams(top_k=0, top_p=0.99))
-    assert used == [None] and int((flat > 0).sum()) > vocab // 2
+              SamplingParams(top_k=0, top_p=0.8, temperature=1.3),
+              SamplingParams(top_k=0, top_p=0.99),  # flat: top-p reaches most tokens
+              SamplingParams(top_k=30_000, top_p=0.6, temperature=0.5)]
+    scaled = logits / torch.tensor([[p.temperature] for p in params])
+    kept, kept_ids = sampler.filter_by_threshold(scaled, params)
+    fast = torch.zeros(logits.shape).scatter_add_(1, kept_ids, kept)
+    fast = fast / fast.sum(-1, keepdim=True)
+    sorted_logits, ids = scaled.sort(dim=-1, descending=True)
+    ranked = sampler._filter_sorted(sorted_logits, params)
+    definition = torch.zeros(logits.shape).scatter_(1, ids, ranked)
+    assert torch.equal(fast > 0, definition > 0)
+    assert int((fast[6] > 0).sum()) > vocab // 2
+    definition = definition / definition.sum(-1, keepdim=True)
+    assert torch.allclose(fast, definition, rtol=1e-4, atol=1e-9)
+    # What the rejection rule reads is the same distribution, normalized.
+    for i, p in enumerate(params):
+        assert torch.allclose(sampler.probabilities(logits[i:i + 1], p)[0], definition[i],
+                              rtol=1e-4, atol=1e-9)

@@ -108,11 +108,11 @@ def describe(exc: BaseException) -> str:
 
 
 def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
-    probs, sorted_ids = _filtered_probs(logits, [s.params for s in states])
+    probs, token_ids = _filtered_probs(logits, [s.params for s in states])
     choice = _draw(probs, states)
-    if sorted_ids is None:
+    if token_ids is None:
         return choice
-    return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -120,94 +120,113 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     request), normalized: what speculative decoding's rejection rule weighs proposals by (it
     accepts a proposal with its probability, so the mass that top-k, top-p and min-p removed
     must not stay in the denominator)."""
-    probs, sorted_ids = _filtered_probs(logits, [params] * len(logits))
-    if sorted_ids is not None:
-        probs = torch.zeros(logits.shape, dtype=probs.dtype).scatter_(1, sorted_ids, probs)
+    probs, token_ids = _filtered_probs(logits, [params] * len(logits))
+    if token_ids is not None:  # (rows padded with zero probabilities: adding keeps them out)
+        probs = torch.zeros(logits.shape, dtype=probs.dtype).scatter_add_(1, token_ids, probs)
     return probs / probs.sum(dim=-1, keepdim=True)
-
-
-# The filters rank only the tokens within a factor of 10^4 of a row's most likely one (and at
-# least its top k): a full sort of a 157k-entry vocabulary takes ~25 ms a row on one thread,
-# PyTorch's topk(2048) ~2 ms; this selection ~0.3 ms. A row whose top-p or min-p might keep a
-# token outside them is ranked in full.
-CANDIDATE_LOGIT_RANGE = math.log(1e4)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Temperature, then top-k, top-p and min-p: the rows' probabilities, in vocabulary order,
-    or by rank with the token ids of each rank (when a filter ranked them)."""
+    or (when filtered) those of the kept tokens with their token ids."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     logits = logits / temps
     needs_filter = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
     if not needs_filter:
         return logits.softmax(dim=-1), None
-    ranked = _filter_candidates(logits, params)
-    if ranked is not None:
-        return ranked
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return filter_by_threshold(logits, params)
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     return _filter_sorted(sorted_logits, params), sorted_ids
 
 
-def _filter_candidates(logits: torch.Tensor, params: list[SamplingParams],
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The filters over each row's candidates (a prefix of its ranking: the tokens near its
-    most likely one, and at least its top k), when that provably keeps the tokens and
-    probabilities of ranking the whole vocabulary: every row is cut inside its candidates, by
-    its top-k or else by top-p or min-p. None otherwise."""
-    vocab = logits.shape[-1]
-    near = logits >= logits.amax(dim=-1, keepdim=True) - CANDIDATE_LOGIT_RANGE
-    rows = []
-    for row, p in enumerate(params):
-        ids = near[row].nonzero().squeeze(1)
-        if 0 < p.top_k < vocab and not p.top_k <= len(ids) <= 4 * p.top_k + 256:
-            ids = logits[row].topk(p.top_k).indices  # (top-k cuts inside: no need for more)
-        rows.append(ids)
-    width = max(len(ids) for ids in rows)
-    if width * 2 > vocab:
-        return None
-    values = torch.full((len(rows), width), float("-inf"), dtype=logits.dtype)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    for row, row_ids in enumerate(rows):
-        values[row, :len(row_ids)] = logits[row, row_ids]
-        ids[row, :len(row_ids)] = row_ids
-    values, order = values.sort(dim=-1, descending=True)
-    ids = ids.gather(1, order)
-    # A row without a top-k normalises over the whole vocabulary, not over its candidates.
-    no_top_k = torch.tensor([not 0 < p.top_k < vocab for p in params])
-    if no_top_k.all():
-        whole = logits.logsumexp(dim=-1)
-    else:
-        whole = logits[no_top_k].logsumexp(dim=-1) if no_top_k.any() else None
-    probs = _filter_sorted(values, params, no_top_k, whole, vocab)
-    # Those rows must drop their last candidate (then top-p or min-p drop every token ranked
-    # below it too: more mass above them, a smaller probability against the same threshold).
-    last = torch.tensor([len(row_ids) - 1 for row_ids in rows]).unsqueeze(1)
-    if (no_top_k & (probs.gather(1, last).squeeze(1) > 0)).any():
-        return None
-    return probs, ids
-
-
-def _filter_sorted(sorted_logits: torch.Tensor, params: list[SamplingParams],
-                   whole_rows: torch.Tensor | None = None,
-                   whole_logsumexp: torch.Tensor | None = None,
-                   vocab: int | None = None) -> torch.Tensor:
-    """Top-k, top-p and min-p over logits in descending order (a prefix of each row's
-    ranking over a `vocab`-token vocabulary); `whole_rows` are normalised by
-    `whole_logsumexp` (the whole vocabulary's) instead of over what they hold."""
-    vocab = vocab or sorted_logits.shape[-1]
-    ranks = torch.arange(sorted_logits.shape[-1]).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
-    masked = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-    probs = masked.softmax(dim=-1)
-    if whole_logsumexp is not None:
-        probs[whole_rows] = (sorted_logits[whole_rows] - whole_logsumexp.unsqueeze(1)).exp()
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+def _filter_sorted(sorted_logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p and min-p, over logits sorted in descending order: the definition
+    (and the path of accelerators, where a batched sort is cheap)."""
+    vocab = sorted_logits.shape[-1]
+    ranks = torch.arange(vocab, device=sorted_logits.device).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
+                         device=sorted_logits.device).unsqueeze(1)
+    probs = sorted_logits.masked_fill(ranks >= top_k, float("-inf")).softmax(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype,
+                         device=probs.device).unsqueeze(1)
     # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
     outside_p = (probs.cumsum(dim=-1) - probs) >= top_p
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype,
+                         device=probs.device).unsqueeze(1)
     below_min_p = probs < min_p * probs[:, :1]
     return probs.masked_fill(outside_p | below_min_p, 0.0)
+
+
+# On the CPU the filters are thresholds on each row's logits, found without ranking the whole
+# vocabulary: sorting 157k logits with their ids took ~25 ms a row on one thread (~100 ms a
+# step for 4 speech streams at top-p 0.8); the tokens within 10^4 of the most likely one are
+# usually enough to place top-p's cut, and a row where they are not sorts its values only
+# (numpy's vectorised sort, ~10x PyTorch's with ids).
+NEAR_LOGIT_RANGE = math.log(1e4)
+
+
+def filter_by_threshold(logits: torch.Tensor, params: list[SamplingParams],
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_filter_sorted`'s tokens and probabilities, each row's kept tokens in vocabulary
+    order: probabilities [B, K] (rows padded with zeros) and their token ids [B, K]. A row
+    keeps the logits at or above the smallest one its top-k, top-p and min-p keep (tokens
+    tied with that one all stay; the definition keeps as many as its sort puts first)."""
+    rows = []
+    for row, p in zip(logits, params):
+        floor = _kept_floor(row, p)
+        ids = (row >= floor).nonzero().squeeze(1) if floor > -math.inf else \
+            torch.arange(len(row))
+        values = row[ids]
+        rows.append((ids, (values - values.max()).exp()))
+    width = max(len(ids) for ids, _ in rows)
+    probs = torch.zeros(len(rows), width, dtype=logits.dtype)
+    token_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (ids, row_probs) in enumerate(rows):
+        probs[i, :len(ids)] = row_probs
+        token_ids[i, :len(ids)] = ids
+    return probs, token_ids
+
+
+def _kept_floor(row: torch.Tensor, p: SamplingParams) -> float:
+    """The smallest logit of one row that its filters keep."""
+    values = row.numpy()
+    vocab = len(values)
+    best = float(values.max())
+    if not math.isfinite(best):
+        return -math.inf
+    floor = -math.inf
+    if 0 < p.top_k < vocab:
+        floor = float(np.partition(values, vocab - p.top_k)[vocab - p.top_k])  # k-th largest
+    top_k_floor = floor
+    if p.min_p > 0.0:
+        floor = max(floor, best + math.log(p.min_p))
+    if p.top_p < 1.0:
+        floor = max(floor, _top_p_floor(row, best, p.top_p, top_k_floor))
+    return floor
+
+
+def _top_p_floor(row: torch.Tensor, best: float, top_p: float, top_k_floor: float) -> float:
+    """The logit of the last token of the shortest prefix of the row's ranking (among the
+    tokens at or above `top_k_floor`) whose probability reaches top_p."""
+    kept = row if top_k_floor == -math.inf else row[row >= top_k_floor]
+    log_total = best + math.log(float((kept - best).exp().sum()))
+    kept = kept.numpy()
+    near = kept[kept >= max(top_k_floor, best - NEAR_LOGIT_RANGE)]
+    pools = (near, kept) if len(near) < len(kept) else (kept,)
+    for pool in pools:
+        ranked = np.sort(pool)[::-1]
+        probs = np.exp(ranked - np.float32(log_total))
+        # As the definition: a token is dropped once the tokens above it reach top_p.
+        above = np.empty_like(probs)
+        above[0] = 0.0
+        np.cumsum(probs[:-1], out=above[1:])
+        dropped = above >= top_p
+        first_dropped = int(dropped.argmax()) if dropped.any() else len(ranked)
+        if first_dropped < len(ranked):
+            break
+    return float(ranked[max(first_dropped - 1, 0)])
 
 
 def _draw(probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
