@@ -77,10 +77,10 @@ def shared_server():
 
     servers = {}
 
-    def get(model_dir, *flags):
-        key = (model_dir, flags)
+    def get(model_dir, *flags, speech=False):
+        key = (model_dir, flags, speech)
         if key not in servers:
-            servers[key] = start_server(model_dir, *flags)
+            servers[key] = start_server(model_dir, *flags, speech=speech)
         return servers[key]
 
     yield get
@@ -155,9 +155,9 @@ def vision_media_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vision_server(shared_server, idefics3_dir, vision_media_dir):
     """The tiny Idefics3 served as "vlm", prefilled 16 tokens a step (so that chunks meet
-    images), at most 2 images a prompt and 9M pixels a request: tests/test_vision.py's and
-    tests/test_vision_apis.py's."""
+    images), at most 2 images a prompt and 9M pixels a request, with the voice:
+    tests/test_vision.py's, tests/test_vision_apis.py's and the web chat's."""
     return shared_server(idefics3_dir, "--served-model-name", "vlm", "--max-num-batched-tokens",
                          "16", "--limit-mm-per-prompt", "2", "--allowed-local-media-path",
                          str(vision_media_dir / "allowed"), "--max-request-image-pixels",
-                         "9000000")
+                         "9000000", speech=True)

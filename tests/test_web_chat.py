@@ -1,5 +1,5 @@
 """The web chat at / in a real browser: headless Chromium (Debian's, `make test-tools`)
-driven by Selenium. One browser session and one server (the tiny vision model, and the voice
+driven by Selenium. One browser session and one server (conftest's vision_server, with the voice
 where the [tts] extra is installed) for every check: streaming, the stop button freeing the
 request on the server, an image attachment, hostile model output shown as inert text, "speak",
 the live panel and the conversation kept across a reload. Screenshots are saved under pytest's tmp directory (the path is printed)."""
@@ -15,8 +15,6 @@ import time
 
 import httpx
 import pytest
-
-from tests.helpers import start_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -35,10 +33,8 @@ HOSTILE = "<img src=x onerror=window.pwned=1> [click](javascript:window.pwned=2)
 
 
 @pytest.fixture(scope="module")
-def server(idefics3_dir):
-    srv = start_server(idefics3_dir, "--served-model-name", "vlm", speech=True)
-    yield srv
-    assert srv.stop() == 0
+def server(vision_server):
+    return vision_server
 
 
 @pytest.fixture(scope="module")
