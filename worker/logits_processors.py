@@ -40,21 +40,24 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], states: list[Request
 
 
 def _penalise(values: torch.Tensor, state: RequestSamplingState) -> None:
-    vocab = values.shape[-1]
+    # Over the tokens seen only, not the vocabulary: a 157k-entry mask and three boolean
+    # gathers a row each step cost ~1 ms where these cost microseconds.
     p = state.params
-    output = torch.tensor(state.output_tokens, dtype=torch.long)
+    output = torch.tensor(state.output_tokens, dtype=torch.long, device=values.device)
     if p.repetition_penalty != 1.0:
-        # Tokens seen in the prompt or the output: divide positive logits, multiply negative.
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        if state.prompt_tokens is not None:
-            seen[state.prompt_tokens] = True
-        seen[output] = True
-        values[seen] = torch.where(values[seen] > 0, values[seen] / p.repetition_penalty,
-                                   values[seen] * p.repetition_penalty)
+        # Tokens seen in the prompt or the output: divide positive logits, multiply negative
+        # (a token seen twice is written twice with the same value).
+        seen = output if state.prompt_tokens is None else \
+            torch.cat([state.prompt_tokens.to(values.device), output])
+        logits = values[seen]
+        values[seen] = torch.where(logits > 0, logits / p.repetition_penalty,
+                                   logits * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and len(output):
-        counts = torch.bincount(output, minlength=vocab).to(values.dtype)
-        values -= p.frequency_penalty * counts
-        values -= p.presence_penalty * (counts > 0).to(values.dtype)
+        if p.frequency_penalty:
+            values.index_add_(0, output, torch.full(output.shape, -p.frequency_penalty,
+                                                    dtype=values.dtype, device=values.device))
+        if p.presence_penalty:
+            values[output.unique()] -= p.presence_penalty
 
 
 def _fail(failed: dict[int, str] | None, row: int, exc: Exception) -> None:
