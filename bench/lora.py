@@ -6,7 +6,9 @@ target projection), written to a temporary directory. Three phases, each `--requ
 requests at concurrency `--concurrency`, `--output-len` tokens each: all on the base model,
 all on one adapter, round-robin over the four; `--rounds` rounds of the three in turn, so a
 shared machine's load falls on all alike. tokens/s = completion tokens / wall time; each
-phase's median over the rounds, its ratio against the base's median.
+phase's median over the rounds, its ratio against the base's median. Beside it, tokens per
+CPU-second of the server's processes: what a phase costs, which other processes' share of
+the cores does not move (their use of caches and memory bandwidth still does).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def write_adapter(target: str, config, rank: int, seed: int) -> str:
 
 
 async def phase(base_url: str, models: list[str], requests: int, concurrency: int,
-                prompt_len: int, output_len: int, first_prompt: int) -> dict:
+                prompt_len: int, output_len: int, first_prompt: int, cpu_seconds) -> dict:
     """Prompts first_prompt.. onwards: prompts no earlier phase sent, so no phase finds its
     prompts in the prefix cache."""
     queue = list(range(first_prompt, first_prompt + requests))
@@ -70,15 +72,15 @@ async def phase(base_url: str, models: list[str], requests: int, concurrency: in
             records.append(record)
 
     async with http_client(timeout=600) as client:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_seconds()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, cpu_seconds() - cpu
     errors = [r.error for r in records if r.error]
     if errors:
         raise RuntimeError(errors[0])
     tokens = sum(r.completion_tokens or 0 for r in records)
     return {"models": models, "requests": requests, "tokens": tokens, "seconds": wall,
-            "tokens_per_s": tokens / wall}
+            "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu}
 
 
 def main() -> None:
@@ -114,22 +116,23 @@ def main() -> None:
             def run(models):
                 return asyncio.run(phase(server.base_url, models, args.requests,
                                          args.concurrency, args.prompt_len, args.output_len,
-                                         next(first_prompts)))
+                                         next(first_prompts), server.cpu_seconds))
 
             run([base])  # (warm-up: kernels, first allocations)
             phases = {"base": [base], "one_adapter": names[:1], "four_adapters": names}
             rounds = [{name: run(models) for name, models in phases.items()}
                       for _ in range(args.rounds)]
-    results = {name: {"tokens_per_s": [r[name]["tokens_per_s"] for r in rounds]}
-               for name in phases}
-    base_tps = float(np.median(results["base"]["tokens_per_s"]))
-    print(f"load average {os.getloadavg()[0]:.1f}; tokens/s per round, median, against the "
-          f"base's median")
-    for name, result in results.items():
-        result["median"] = float(np.median(result["tokens_per_s"]))
-        result["vs_base"] = result["median"] / base_tps
-        per_round = ", ".join(f"{t:.1f}" for t in result["tokens_per_s"])
-        print(f"{name:14s} {per_round:30s} {result['median']:8.1f}  {result['vs_base']:.2f}x")
+    results = {name: {key: [r[name][key] for r in rounds]
+                      for key in ("tokens_per_s", "tokens_per_cpu_s")} for name in phases}
+    print(f"load average {os.getloadavg()[0]:.1f}; per round, median, against the base's "
+          f"median")
+    for key in ("tokens_per_s", "tokens_per_cpu_s"):
+        base = float(np.median(results["base"][key]))
+        for name, result in results.items():
+            median = float(np.median(result[key]))
+            result[f"{key}_median"], result[f"{key}_vs_base"] = median, median / base
+            per_round = ", ".join(f"{t:.1f}" for t in result[key])
+            print(f"{key:16s} {name:14s} {per_round:24s} {median:7.1f}  {median / base:.2f}x")
     with open(args.out, "w") as f:
         json.dump({"concurrency": args.concurrency, "rank": args.rank,
                    "prompt_len": args.prompt_len, "output_len": args.output_len,
