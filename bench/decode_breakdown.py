@@ -11,7 +11,8 @@ included). Each round measures, side by side:
 - the read bandwidth (bench/bandwidth.py) with the same threads, right before the steps;
 - every step's time (the calling thread's CPU time with one thread, which other processes'
   use of the cores does not inflate; wall time otherwise), and inside it the CPU time of the
-  embedding lookup, the layer stack and the final norm (the one native call), the output layer
+  embedding lookup (in the native call where the table is quantized), the layer stack and the
+  final norm (the one native call), the output layer
   and sampling (the rest: Python in the runner and the pipeline);
 - inside the layer stack, each part of a layer (a LOOM_DECODE_PROFILE build of decoder.c).
 The report: the step against weights / bandwidth, and each part's share; medians over steps,

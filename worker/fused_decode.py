@@ -20,7 +20,7 @@ import torch
 from worker.attention import AttentionMetadata
 from worker.kernels import load_kernel
 from worker.packed_linear import PackedLinear
-from worker.quant_linear import QuantLinear, StackedQuantLinear
+from worker.quant_linear import QuantEmbedding, QuantLinear, StackedQuantLinear
 
 _P = ctypes.c_void_p
 _PROJ_KIND = {torch.float32: 0, torch.bfloat16: 1}  # else the GGML type number (decoder.c)
@@ -81,7 +81,8 @@ if _lib is not None:
     _lib.loom_decode_layers.restype = ctypes.c_int
     _lib.loom_decode_layers.argtypes = [
         ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), ctypes.c_int,
-        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int, _P]
+        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int, _P,
+        ctypes.POINTER(_Projection), _P]
 
 
 class FusedDecode:
@@ -94,6 +95,7 @@ class FusedDecode:
                                cfg.intermediate_size, 0, _ACTIVATIONS[cfg.hidden_act],
                                model.norm.eps, attn.scale)
         self._layers = None
+        self._embedding: _Projection | None = None  # a quantized table's rows (`embeds`)
         self._cache_ptr = None
         # LoRA (worker/lora.py): the adapters' slots, and this step's slot of each row (int32
         # [T], -1: the base model's; None: no adapter rows).
@@ -129,17 +131,30 @@ class FusedDecode:
         """A step whose sequences all feed one token (the rows are the sequences, in order)."""
         return len(meta.groups) == 1 and meta.groups[0].single_query
 
-    def __call__(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-                 final_norm: torch.Tensor) -> torch.Tensor:
-        """x: the step's embeddings [T, hidden] (overwritten). Returns the model's final norm
-        (`final_norm`: the float32 factors it multiplies by) of the last layer's output, in
-        x: the rows the output layer reads."""
+    def embeds(self, input_ids: torch.Tensor) -> bool:
+        """Whether the call can look up `input_ids` itself (a quantized embedding table, ids
+        as the kernel reads them): one Python lookup less a step."""
+        return (isinstance(self.model.embed_tokens, QuantEmbedding)
+                and self.model.embed_tokens.table.kernel is not None
+                and input_ids.dtype == torch.int64 and input_ids.dim() == 1
+                and input_ids.is_contiguous())
+
+    def __call__(self, x: torch.Tensor | None, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                 final_norm: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the step's embeddings [T, hidden] (overwritten), or None with `input_ids` (where
+        `embeds` them): the embedding rows are looked up in the call. Returns the model's final
+        norm (`final_norm`: the float32 factors it multiplies by) of the last layer's output,
+        [T, hidden]: the rows the output layer reads."""
         if kv_cache.dtype != self.cache_dtype:
             raise TypeError(f"fused decode: built for a {self.cache_dtype} KV cache, given a "
                             f"{kv_cache.dtype} one")
         layers = self._layer_weights(kv_cache)
         self.dims.block_size = kv_cache.shape[3]
         group = meta.groups[0]
+        embedding, ids = None, None
+        if x is None:
+            embedding, ids = self._embedding, input_ids.data_ptr()
+            x = torch.empty(len(input_ids), self.dims.hidden, dtype=torch.float32)
         tokens = x.shape[0]
         residual = torch.empty_like(x)
         rc = _lib.loom_decode_layers(
@@ -148,7 +163,9 @@ class FusedDecode:
             residual.data_ptr(), tokens, meta.positions.data_ptr(),
             meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
             group.seq_lens.data_ptr(), group.block_tables.shape[1],
-            *self._lora_rows(tokens), _pointer(final_norm))
+            *self._lora_rows(tokens), _pointer(final_norm), embedding, ids)
+        if rc == -3:
+            raise IndexError(f"token ids must be in [0, {self.model.embed_tokens.num_embeddings})")
         if rc == -1:
             raise RuntimeError("the fused decode step failed: a projection has no kernel in "
                                "this build of decoder.c")
@@ -182,6 +199,10 @@ class FusedDecode:
                     kv_cache[i, 0].data_ptr(), kv_cache[i, 1].data_ptr(),
                     spec.rotary.cos.data_ptr(), spec.rotary.sin.data_ptr(), spec.window,
                     (_LoRAWeights * 4)(*self._lora_weights(i)))
+            table = getattr(self.model.embed_tokens, "table", None)
+            if isinstance(table, QuantLinear):
+                self._embedding = _projection(table)
+                self._embedding.rows = table.out_features
             self._cache_ptr = kv_cache.data_ptr()
         return self._layers
 

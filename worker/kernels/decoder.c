@@ -291,7 +291,9 @@ static int projection_ok(const Projection *p, int K) {
     return 1;
 }
 
-/* x [T, hidden] in: the embeddings; out: the last layer's MLP output, or with final_norm
+/* x [T, hidden] in: the embeddings, or with `embedding` (a quantized table's rows: kind, w,
+ * row_bytes, rows = its row count) the rows ids[T] of it, looked up here by the function
+ * QuantEmbedding's lookup calls (an id outside the table: -3, nothing run); out: the last layer's MLP output, or with final_norm
  * (its factors, [hidden]) the model's final norm of it: rmsnorm(residual + x), the rows the
  * output layer reads (the same function as the Python path's norm: the same numbers, and a
  * step's Python calls fewer). residual [T, hidden] out.
@@ -308,10 +310,19 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                        float *x, float *residual, int T, const int64_t *positions,
                        const int64_t *slots, const int32_t *block_tables,
                        const int32_t *seq_lens, int max_blocks, const int32_t *lora_slots,
-                       int lora_rank, const float *final_norm) {
+                       int lora_rank, const float *final_norm, const Projection *embedding,
+                       const int64_t *ids) {
     const int hidden = d->hidden, inter = d->intermediate;
     const int q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
     const int qkv_width = q_size + 2 * kv_size;
+    if (embedding) {
+        for (int t = 0; t < T; t++)
+            if (ids[t] < 0 || ids[t] >= embedding->rows)
+                return -3;
+        if (loom_quant_dequantize_rows(embedding->kind, embedding->w, embedding->row_bytes, ids,
+                                       T, hidden, x) != 0)
+            return -1;
+    }
     for (int i = 0; i < num_layers; i++) {
         const LayerWeights *L = &layers[i];
         if (!projection_ok(&L->qkv, hidden) || !projection_ok(&L->o, q_size) ||

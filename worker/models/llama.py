@@ -232,6 +232,10 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
+        fused = self.fused_decode
+        if fused is not None and fused.applies(meta) and fused.embeds(input_ids):
+            return self.lm_head(fused(None, meta, kv_cache, self.norm.weight,
+                                      input_ids)[logits_rows]).float()
         hidden = self.embed_tokens(input_ids).to(self.compute_dtype)
         return self.forward_embeddings(hidden, meta, kv_cache, logits_rows)
 
