@@ -99,6 +99,26 @@ def chunked_server(shared_server, smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def flux_dir() -> str:
+    """A tiny random FLUX directory (tests/tiny_flux.py), built once and cached."""
+    from tests.tiny_flux import cached_tiny_flux
+
+    return cached_tiny_flux()
+
+
+@pytest.fixture(scope="session")
+def tools_and_images_server(shared_server, untied_tiny_model_dir, flux_dir, tmp_path_factory):
+    """The untied tiny model served as "tiny" with a 512-token context, parsing Llama 3 JSON
+    tool calls, beside `flux_dir` as "tiny-flux" making images up to 512 pixels a side:
+    tests/test_tool_parsers.py's and tests/test_images_api.py's."""
+    named = tmp_path_factory.mktemp("images") / "tiny-flux"  # (its id: the directory's name)
+    named.symlink_to(flux_dir)
+    return shared_server(untied_tiny_model_dir, "--served-model-name", "tiny", "--max-model-len",
+                         "512", "--tool-call-parser", "llama3_json", "--image-model",
+                         str(named), "--max-image-size", "512")
+
+
+@pytest.fixture(scope="session")
 def lora_dir(tmp_path_factory) -> str:
     """The directory tiny_server loads LoRA adapters from (tests/test_lora.py writes them)."""
     return str(tmp_path_factory.mktemp("lora-adapters"))

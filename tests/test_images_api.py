@@ -16,26 +16,12 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from tests.helpers import start_server  # noqa: E402
-
 MAX_IMAGE_SIZE = 512
 
 
 @pytest.fixture(scope="module")
-def flux_dir() -> str:
-    from tests.tiny_flux import cached_tiny_flux
-
-    return cached_tiny_flux()
-
-
-@pytest.fixture(scope="module")
-def server(flux_dir, untied_tiny_model_dir, tmp_path_factory):
-    named = tmp_path_factory.mktemp("images") / "tiny-flux"  # (its id: the directory's name)
-    named.symlink_to(flux_dir)
-    srv = start_server(untied_tiny_model_dir, "--served-model-name", "tiny",
-                       "--image-model", str(named), "--max-image-size", str(MAX_IMAGE_SIZE))
-    yield srv
-    srv.stop()
+def server(tools_and_images_server):
+    return tools_and_images_server  # (its --max-image-size is MAX_IMAGE_SIZE)
 
 
 @pytest.fixture(scope="module")

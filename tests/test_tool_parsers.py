@@ -25,7 +25,6 @@ from api_server.tool_parsers import (
     resolve_tool_call_parser,
 )
 from api_server.tool_validation import ToolCallChecker
-from tests.helpers import start_server
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 
@@ -248,12 +247,9 @@ def llama_call_format(args_schema):
 
 
 @pytest.fixture(scope="module")
-def server(untied_tiny_model_dir):
-    srv = start_server(untied_tiny_model_dir, "--served-model-name", "tiny",
-                       "--max-model-len", "512", "--tool-call-parser", "llama3_json")
-    yield srv
-    assert srv.stop() == 0
-    assert "Traceback" not in srv.log()
+def server(tools_and_images_server):
+    yield tools_and_images_server
+    assert "Traceback" not in tools_and_images_server.log()
 
 
 @pytest.fixture
