@@ -89,14 +89,21 @@ def test_the_cpu_thresholds_keep_what_the_ranking_keeps():
     # probabilities must be the ranking definition's, for peaked and flat rows alike.
     torch.manual_seed(5)
     vocab = 60_000
-    scale = torch.tensor([[8.0], [4.0], [2.0], [1.0], [6.0], [3.0], [0.1], [0.1]])
-    logits = torch.randn(8, vocab) * scale
+    scale = torch.tensor([[8.0], [4.0], [2.0], [1.0], [6.0], [3.0], [0.1], [0.1], [20.0],
+                          [14.0]])
+    logits = torch.randn(10, vocab) * scale
     params = [SamplingParams(top_k=0, top_p=0.9), SamplingParams(top_k=0, min_p=0.05),
               SamplingParams(top_k=40, top_p=0.95, temperature=0.7),
               SamplingParams(top_k=5000), SamplingParams(top_k=0, top_p=0.5, min_p=0.1),
               SamplingParams(top_k=0, top_p=0.8, temperature=1.3),
               SamplingParams(top_k=0, top_p=0.99),  # flat: top-p reaches most tokens
-              SamplingParams(top_k=30_000, top_p=0.6, temperature=0.5)]
+              SamplingParams(top_k=30_000, top_p=0.6, temperature=0.5),
+              SamplingParams(top_k=0, top_p=0.9, min_p=0.02),
+              SamplingParams(top_k=0, top_p=0.95, temperature=0.8)]
+    # (Peaked rows are cut among the tokens near their best, the others ranked: both here.)
+    near = [sampler._near_cut((row / p.temperature).numpy(), p) is not None
+            for row, p in zip(logits, params)]
+    assert any(near) and not all(near)
     scaled = logits / torch.tensor([[p.temperature] for p in params])
     kept, kept_ids = sampler.filter_by_threshold(scaled, params)
     fast = torch.zeros(logits.shape).scatter_add_(1, kept_ids, kept)

@@ -175,10 +175,14 @@ def filter_by_threshold(logits: torch.Tensor, params: list[SamplingParams],
     tied with that one all stay; the definition keeps as many as its sort puts first)."""
     rows = []
     for row, p in zip(logits, params):
-        floor = _kept_floor(row, p)
-        ids = (row >= floor).nonzero().squeeze(1) if floor > -math.inf else \
-            torch.arange(len(row))
-        values = row[ids]
+        near = _near_cut(row.numpy(), p)
+        if near is not None:
+            ids, values = torch.from_numpy(near[0]), torch.from_numpy(near[1])
+        else:
+            floor = _kept_floor(row, p)
+            ids = (row >= floor).nonzero().squeeze(1) if floor > -math.inf else \
+                torch.arange(len(row))
+            values = row[ids]
         rows.append((ids, (values - values.max()).exp()))
     width = max(len(ids) for ids, _ in rows)
     probs = torch.zeros(len(rows), width, dtype=logits.dtype)
@@ -187,6 +191,49 @@ def filter_by_threshold(logits: torch.Tensor, params: list[SamplingParams],
         probs[i, :len(ids)] = row_probs
         token_ids[i, :len(ids)] = ids
     return probs, token_ids
+
+
+# A token more than this below a row's best logit has under e^-20 of its probability: all of
+# them together (157k at most) weigh under 4e-4 of it.
+FAR_LOGIT_RANGE = 20.0
+
+
+def _near_cut(values: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray] | None:
+    """The kept tokens (ids, logits) of a row filtered by top-p and min-p only, found among
+    the tokens near its best, when the far tokens cannot move the cut: top-p's cut is placed
+    with the far tokens' mass taken as nothing and as its bound, and must come out the same.
+    None when that cannot be shown (then `_kept_floor` ranks the row): one pass over the
+    row instead of a sum of exponentials over all of it."""
+    vocab = len(values)
+    if 0 < p.top_k < vocab:
+        return None
+    best = values.max()
+    if not np.isfinite(best):
+        return None
+    near = np.flatnonzero(values >= best - FAR_LOGIT_RANGE)
+    if len(near) * 8 > vocab:
+        return None
+    near_values = values[near]
+    floor = best + math.log(p.min_p) if p.min_p > 0.0 else -math.inf
+    if p.top_p < 1.0:
+        ranked = np.sort(near_values)[::-1]
+        weights = np.exp((ranked - best).astype(np.float64))
+        total = weights.sum()
+        far_bound = (vocab - len(near)) * math.exp(-FAR_LOGIT_RANGE)
+        cuts = set()
+        for z in (total, total + far_bound):
+            above = np.concatenate(([0.0], np.cumsum(weights[:-1]))) / z
+            dropped = above >= p.top_p
+            if not dropped.any():
+                return None  # (the cut may be among the far tokens)
+            cuts.add(int(dropped.argmax()))
+        if len(cuts) > 1:
+            return None
+        floor = max(floor, float(ranked[cuts.pop() - 1]))
+    if floor < best - FAR_LOGIT_RANGE:
+        return None
+    kept = near_values >= floor
+    return near[kept], near_values[kept]
 
 
 def _kept_floor(row: torch.Tensor, p: SamplingParams) -> float:
