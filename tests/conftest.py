@@ -107,15 +107,17 @@ def flux_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tools_and_images_server(shared_server, untied_tiny_model_dir, flux_dir, tmp_path_factory):
-    """The untied tiny model served as "tiny" with a 512-token context, parsing Llama 3 JSON
-    tool calls, beside `flux_dir` as "tiny-flux" making images up to 512 pixels a side:
-    tests/test_tool_parsers.py's and tests/test_images_api.py's."""
+def features_server(shared_server, untied_tiny_model_dir, flux_dir, tmp_path_factory):
+    """The untied tiny model served as "tiny" with a 512-token context and the features whose
+    tests need a flag of their own: Llama 3 JSON tool calls, `flux_dir` beside it as
+    "tiny-flux" (images up to 512 pixels a side), and chat templates sent by requests rendered
+    in the sandbox: tests/test_tool_parsers.py's, tests/test_images_api.py's and
+    tests/test_hostile_requests.py's trusted templates."""
     named = tmp_path_factory.mktemp("images") / "tiny-flux"  # (its id: the directory's name)
     named.symlink_to(flux_dir)
     return shared_server(untied_tiny_model_dir, "--served-model-name", "tiny", "--max-model-len",
                          "512", "--tool-call-parser", "llama3_json", "--image-model",
-                         str(named), "--max-image-size", "512")
+                         str(named), "--max-image-size", "512", "--trust-request-chat-template")
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,6 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import start_server
-
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -68,29 +66,27 @@ def test_template_variables_still_pass(server):
     assert r.status_code == 200, r.text
 
 
-def test_trusted_request_templates_render_in_a_bounded_sandbox(tiny_model_dir):
-    srv = start_server(tiny_model_dir, "--max-model-len", "256", "--trust-request-chat-template")
-    try:
-        ok = post(srv, "/tokenize", {"messages": MSG, "chat_template_kwargs": {
-            "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}{{ 7*7 }}"}})
-        assert ok.status_code == 200, ok.text
-        text = httpx.post(srv.url + "/detokenize", json={"tokens": ok.json()["tokens"]}).json()
-        assert text["prompt"] == "[hi]49"
-        huge = {"messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 'x' * 10**10 }}"}}
-        slow = {"messages": MSG, "chat_template_kwargs": {"chat_template":
-                "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"}}
-        for body in (huge, slow):
-            r = post(srv, CHAT, {**body, "max_tokens": 2})
-            assert_refused(r, "chat_template_kwargs.chat_template")
-            assert httpx.get(srv.url + "/health").status_code == 200
-        # A fresh sandbox serves the next one.
-        again = post(srv, CHAT, {"messages": MSG, "max_tokens": 2, "chat_template_kwargs": {
-            "chat_template": "{{ messages[0].content }}"}})
-        assert again.status_code == 200, again.text
-        assert again.json()["usage"]["prompt_tokens"] == 1
-    finally:
-        assert srv.stop() == 0
-    assert "Traceback" not in srv.log()
+def test_trusted_request_templates_render_in_a_bounded_sandbox(features_server):
+    srv = features_server  # (served with --trust-request-chat-template)
+    log_start = len(srv.log())
+    ok = post(srv, "/tokenize", {"messages": MSG, "chat_template_kwargs": {
+        "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}{{ 7*7 }}"}})
+    assert ok.status_code == 200, ok.text
+    text = httpx.post(srv.url + "/detokenize", json={"tokens": ok.json()["tokens"]}).json()
+    assert text["prompt"] == "[hi]49"
+    huge = {"messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 'x' * 10**10 }}"}}
+    slow = {"messages": MSG, "chat_template_kwargs": {"chat_template":
+            "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"}}
+    for body in (huge, slow):
+        r = post(srv, CHAT, {**body, "max_tokens": 2})
+        assert_refused(r, "chat_template_kwargs.chat_template")
+        assert httpx.get(srv.url + "/health").status_code == 200
+    # A fresh sandbox serves the next one.
+    again = post(srv, CHAT, {"messages": MSG, "max_tokens": 2, "chat_template_kwargs": {
+        "chat_template": "{{ messages[0].content }}"}})
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens"] == 1
+    assert "Traceback" not in srv.log()[log_start:]
 
 
 # ---- 2. one small request asking for thousands of sequences ------------------------------------

@@ -20,8 +20,8 @@ MAX_IMAGE_SIZE = 512
 
 
 @pytest.fixture(scope="module")
-def server(tools_and_images_server):
-    return tools_and_images_server  # (its --max-image-size is MAX_IMAGE_SIZE)
+def server(features_server):
+    return features_server  # (its --max-image-size is MAX_IMAGE_SIZE)
 
 
 @pytest.fixture(scope="module")

@@ -247,9 +247,9 @@ def llama_call_format(args_schema):
 
 
 @pytest.fixture(scope="module")
-def server(tools_and_images_server):
-    yield tools_and_images_server
-    assert "Traceback" not in tools_and_images_server.log()
+def server(features_server):
+    yield features_server
+    assert "Traceback" not in features_server.log()
 
 
 @pytest.fixture
