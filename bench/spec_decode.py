@@ -1,6 +1,7 @@
 """`python -m bench.spec_decode`: speculative decoding on a copy-heavy load at c=1.
 
-Chat requests that repeat or edit a 300-600-token passage (prose, a code file), one at a time,
+Chat requests that repeat, correct or edit a 300-600-token passage (prose, a code file) or
+extract fields from it as JSON, one at a time,
 greedy, on one server started with `--speculative-method` (ngram by default): each prompt is
 sent with speculation and with the `speculative_decoding: false` opt-out, alternately, so
 both are measured in the same run on the same warm server. Reports output tokens/s (median
@@ -59,16 +60,29 @@ def truncated_checkpoint(source: str, num_layers: int, target: str) -> str:
     return target
 
 
+def prose(path: str, chars: int = 1800) -> str:
+    """The first paragraphs of running text of a Markdown file (no headings, code, tables or
+    lists): what a user asks a model to copy or edit."""
+    with open(path) as f:
+        paragraphs = [p.strip() for p in f.read().split("\n\n")]
+    text = " ".join(p.replace("\n", " ") for p in paragraphs
+                    if p and p[0] not in "#|`-<>*!" and "```" not in p)
+    return text[:chars]
+
+
 def passages() -> list[tuple[str, str]]:
-    """(task, passage): prose to repeat, and code to edit, 300-600 tokens each."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        prose = " ".join(f.read().split("\n\n")[1:4])[:1800]
+    """(task, passage): prose to repeat and to correct, code to edit and to extract fields
+    from as JSON, 300-600 tokens each."""
+    text = prose(os.path.join(ROOT, "docs", "architecture.md"))
     with open(os.path.join(ROOT, "scheduler", "block_manager.py")) as f:
         code = f.read()[:1800]
-    return [("Repeat the following text exactly, word for word:", prose),
+    return [("Repeat the following text exactly, word for word:", text),
             ("Rewrite this Python code with the variable `table` renamed to `row`; change "
              "nothing else:", code),
-            ("Copy this text and fix its typos:", prose.replace("the ", "teh ", 6))]
+            ("Copy this text and fix its typos:", text.replace("the ", "teh ", 6)),
+            ("List every function and method defined in this code as a JSON array of objects "
+             'with the keys "name" and "arguments" (the parameter list exactly as written):',
+             code)]
 
 
 def complete(client: httpx.Client, base_url: str, model: str, task: str, passage: str,
@@ -110,7 +124,8 @@ def mean_step_ms(before: dict, after: dict, step: str) -> float | None:
 def measure(base_url: str, model: str, repeats: int, max_tokens: int) -> dict:
     runs: dict[bool, list[dict]] = {True: [], False: []}
     with httpx.Client(trust_env=False, timeout=600) as client:
-        complete(client, base_url, model, "Say hi.", "", 8, False)  # (warm)
+        for speculate in (True, False):  # (warm: both paths, and the server's idle work)
+            complete(client, base_url, model, *passages()[1], 32, speculate)
         step_ms = {True: {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]},
                    False: {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}}
         for _ in range(repeats):
@@ -143,6 +158,19 @@ def measure(base_url: str, model: str, repeats: int, max_tokens: int) -> dict:
         }
     result["speedup"] = (result["speculative"]["tokens_per_s_median"]
                          / result["plain"]["tokens_per_s_median"])
+    tasks = [task for task, _ in passages()]
+    result["by_task"] = []
+    for i, task in enumerate(tasks):
+        mine = {flag: runs[flag][i::len(tasks)] for flag in (True, False)}
+        draft = sum(r["draft"] for r in mine[True])
+        accepted = sum(r["accepted"] for r in mine[True])
+        rates = {flag: statistics.median(r["tokens"] / r["seconds"] for r in mine[flag])
+                 for flag in (True, False)}
+        result["by_task"].append({
+            "task": task, "completion_tokens": [r["tokens"] for r in mine[True]],
+            "speculative_tokens_per_s": rates[True], "plain_tokens_per_s": rates[False],
+            "speedup": rates[True] / rates[False],
+            "acceptance_rate": accepted / draft if draft else None})
     return result
 
 
@@ -182,6 +210,12 @@ def main() -> None:
               f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'}, step ms: "
               f"one-token {r['step_ms_one_token']}, multi-token {r['step_ms_multi_token']} "
               f"({r['steps_one_token']:.0f} / {r['steps_multi_token']:.0f} steps)")
+    for t in result["by_task"]:
+        rate = t["acceptance_rate"]
+        print(f"{t['speedup']:5.2f}x  {t['speculative_tokens_per_s']:6.1f} / "
+              f"{t['plain_tokens_per_s']:6.1f} tokens/s, acceptance "
+              f"{'-' if rate is None else f'{rate:.2f}'}, tokens {t['completion_tokens']}: "
+              f"{t['task'][:50]}")
     print(f"speedup {result['speedup']:.2f}x ({args.method})")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
