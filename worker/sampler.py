@@ -258,22 +258,57 @@ def _top_p_floor(row: torch.Tensor, best: float, top_p: float, top_k_floor: floa
     """The logit of the last token of the shortest prefix of the row's ranking (among the
     tokens at or above `top_k_floor`) whose probability reaches top_p."""
     kept = row if top_k_floor == -math.inf else row[row >= top_k_floor]
-    log_total = best + math.log(float((kept - best).exp().sum()))
-    kept = kept.numpy()
-    near = kept[kept >= max(top_k_floor, best - NEAR_LOGIT_RANGE)]
-    pools = (near, kept) if len(near) < len(kept) else (kept,)
-    for pool in pools:
-        ranked = np.sort(pool)[::-1]
-        probs = np.exp(ranked - np.float32(log_total))
-        # As the definition: a token is dropped once the tokens above it reach top_p.
-        above = np.empty_like(probs)
-        above[0] = 0.0
-        np.cumsum(probs[:-1], out=above[1:])
-        dropped = above >= top_p
-        first_dropped = int(dropped.argmax()) if dropped.any() else len(ranked)
-        if first_dropped < len(ranked):
-            break
-    return float(ranked[max(first_dropped - 1, 0)])
+    weights = (kept - best).exp()
+    total = float(weights.sum(dtype=torch.float64))
+    kept, weights = kept.numpy(), weights.numpy()
+    near = kept >= max(top_k_floor, best - NEAR_LOGIT_RANGE)
+    if near.sum() <= 4096:
+        cut = _cut_among(kept[near], weights[near], 0.0, total, top_p)
+        if cut is not None:
+            return cut
+    return _cut_by_histogram(kept, weights, total, top_p)
+
+
+def _cut_among(values: np.ndarray, weights: np.ndarray, mass_above: float, total: float,
+               top_p: float) -> float | None:
+    """Top-p's last kept logit among `values` (the tokens ranked right after a prefix of
+    `mass_above`), or None when all of them are kept."""
+    order = np.argsort(values)[::-1]
+    # As the definition (in float32 as it, so that a cut exactly at top_p falls alike): a
+    # token is dropped once the probability of the tokens above it reaches top_p.
+    probs = weights[order] / np.float32(total)
+    above = np.empty_like(probs)
+    above[0] = mass_above / total
+    np.cumsum(probs[:-1], out=above[1:])
+    above[1:] += above[0]
+    dropped = above >= top_p
+    if not dropped.any():
+        return None
+    return float(values[order[max(int(dropped.argmax()) - 1, 0)]])
+
+
+# A flat row keeps tens of thousands of tokens: rather than sort them, their probability
+# mass is summed in 1,024 logit bins, and only the bin where the top-p cut falls is sorted.
+CUT_BINS = 1024
+
+
+def _cut_by_histogram(values: np.ndarray, weights: np.ndarray, total: float,
+                      top_p: float) -> float:
+    low, high = float(values.min()), float(values.max())
+    if not high > low:
+        return low
+    scale = CUT_BINS / (high - low)
+    bins = np.minimum(((values - low) * scale).astype(np.int64), CUT_BINS - 1)
+    mass = np.bincount(bins, weights=weights, minlength=CUT_BINS)[::-1]  # (highest first)
+    reached = np.cumsum(mass) / total >= top_p
+    if not reached.any():  # (rounding: every token is kept)
+        return low
+    # The first bin whose tokens bring the mass to top_p holds the last kept token; every
+    # token of the bins above it is kept.
+    first = int(reached.argmax())
+    in_bin = bins == CUT_BINS - 1 - first
+    cut = _cut_among(values[in_bin], weights[in_bin], float(mass[:first].sum()), total, top_p)
+    return float(values[in_bin].min()) if cut is None else cut
 
 
 def _draw(probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
