@@ -234,12 +234,19 @@ def test_an_adapters_blocks_carry_its_lora_id(served):
     srv, sub = served
     rng = np.random.default_rng(2)
     prompt = rng.integers(1000, 40000, 2 * BLOCK + 1).tolist()
+    other = rng.integers(1000, 40000, BLOCK + 1).tolist()
     count = len(sub.events(BlockStored))
     complete(srv, prompt)
     complete(srv, prompt, model="tiny-lora")
-    complete(srv, rng.integers(1000, 40000, BLOCK + 1).tolist(), model="tiny-lora")
-    sub.wait(lambda: len(sub.events(BlockStored)) >= count + 3)
-    base, adapter, again = sub.events(BlockStored)[count:count + 3]
+    complete(srv, other, model="tiny-lora")
+
+    def these() -> list[BlockStored]:
+        # (By their tokens: an earlier test's blocks may still be arriving.)
+        return [e for e in sub.events(BlockStored)[count:]
+                if e.token_ids in (prompt[:2 * BLOCK], other[:BLOCK])]
+
+    sub.wait(lambda: len(these()) >= 3)
+    base, adapter, again = these()[:3]
     assert base.lora_id is None and base.token_ids == adapter.token_ids == prompt[:2 * BLOCK]
     assert isinstance(adapter.lora_id, int) and adapter.lora_id == again.lora_id
     assert set(base.block_hashes).isdisjoint(adapter.block_hashes)
