@@ -160,11 +160,9 @@ def _filter_sorted(sorted_logits: torch.Tensor, params: list[SamplingParams]) ->
 
 
 # On the CPU the filters are thresholds on each row's logits, found without ranking the whole
-# vocabulary: sorting 157k logits with their ids took ~25 ms a row on one thread (~100 ms a
-# step for 4 speech streams at top-p 0.8); the tokens within 10^4 of the most likely one are
-# usually enough to place top-p's cut, and a row where they are not sorts its values only
-# (numpy's vectorised sort, ~10x PyTorch's with ids).
-NEAR_LOGIT_RANGE = math.log(1e4)
+# vocabulary (sorting 157k logits with their ids took ~25 ms a row on one thread, ~100 ms a
+# step for 4 speech streams at top-p 0.8): a peaked row is cut among the tokens near its best
+# (`_near_cut`), any other row by a histogram of its mass (`_cut_by_histogram`).
 
 
 def filter_by_threshold(logits: torch.Tensor, params: list[SamplingParams],
@@ -260,27 +258,21 @@ def _top_p_floor(row: torch.Tensor, best: float, top_p: float, top_k_floor: floa
     kept = row if top_k_floor == -math.inf else row[row >= top_k_floor]
     weights = (kept - best).exp()
     total = float(weights.sum(dtype=torch.float64))
-    kept, weights = kept.numpy(), weights.numpy()
-    near = kept >= max(top_k_floor, best - NEAR_LOGIT_RANGE)
-    if near.sum() <= 4096:
-        cut = _cut_among(kept[near], weights[near], 0.0, total, top_p)
-        if cut is not None:
-            return cut
-    return _cut_by_histogram(kept, weights, total, top_p)
+    return _cut_by_histogram(kept.numpy(), weights.numpy(), total, top_p)
 
 
-def _cut_among(values: np.ndarray, weights: np.ndarray, mass_above: float, total: float,
-               top_p: float) -> float | None:
-    """Top-p's last kept logit among `values` (the tokens ranked right after a prefix of
-    `mass_above`), or None when all of them are kept."""
+def _cut_among(values: np.ndarray, weights: np.ndarray, above_start: np.float32,
+               total: float, top_p: float) -> float | None:
+    """Top-p's last kept logit among `values` (the tokens of one histogram bin, ranked right
+    after tokens of probability `above_start`), or None when all of them are kept."""
     order = np.argsort(values)[::-1]
     # As the definition (in float32 as it, so that a cut exactly at top_p falls alike): a
     # token is dropped once the probability of the tokens above it reaches top_p.
     probs = weights[order] / np.float32(total)
     above = np.empty_like(probs)
-    above[0] = mass_above / total
+    above[0] = above_start
     np.cumsum(probs[:-1], out=above[1:])
-    above[1:] += above[0]
+    above[1:] += above_start
     dropped = above >= top_p
     if not dropped.any():
         return None
@@ -288,7 +280,7 @@ def _cut_among(values: np.ndarray, weights: np.ndarray, mass_above: float, total
 
 
 # A flat row keeps tens of thousands of tokens: rather than sort them, their probability
-# mass is summed in 1,024 logit bins, and only the bin where the top-p cut falls is sorted.
+# is summed in 1,024 logit bins, and only the bin where the top-p cut falls is sorted.
 CUT_BINS = 1024
 
 
@@ -300,14 +292,16 @@ def _cut_by_histogram(values: np.ndarray, weights: np.ndarray, total: float,
     scale = CUT_BINS / (high - low)
     bins = np.minimum(((values - low) * scale).astype(np.int64), CUT_BINS - 1)
     mass = np.bincount(bins, weights=weights, minlength=CUT_BINS)[::-1]  # (highest first)
-    reached = np.cumsum(mass) / total >= top_p
+    through = np.cumsum((mass / total).astype(np.float32))  # (float32, as `_cut_among`)
+    reached = through >= top_p
     if not reached.any():  # (rounding: every token is kept)
         return low
-    # The first bin whose tokens bring the mass to top_p holds the last kept token; every
-    # token of the bins above it is kept.
+    # The first bin whose tokens bring the probability to top_p holds the last kept token;
+    # every token of the bins above it is kept.
     first = int(reached.argmax())
     in_bin = bins == CUT_BINS - 1 - first
-    cut = _cut_among(values[in_bin], weights[in_bin], float(mass[:first].sum()), total, top_p)
+    above = through[first - 1] if first else np.float32(0.0)
+    cut = _cut_among(values[in_bin], weights[in_bin], above, total, top_p)
     return float(values[in_bin].min()) if cut is None else cut
 
 
