@@ -19,6 +19,7 @@ import torch
 
 from worker.attention import AttentionMetadata
 from worker.kernels import load_kernel
+from worker.lora import LoRAWeights
 from worker.packed_linear import PackedLinear
 from worker.quant_linear import QuantEmbedding, QuantLinear, StackedQuantLinear
 
@@ -51,20 +52,12 @@ class DecodeLayer:
     window: int = 0
 
 
-class _LoRAWeights(ctypes.Structure):
-    _fields_ = [("a", _P), ("b", _P), ("rank", ctypes.c_int), ("parts", ctypes.c_int),
-                ("dtype", ctypes.c_int), ("out_start", ctypes.c_int * 4)]
-
-
-_LORA_DTYPE = {torch.float32: 0, torch.bfloat16: 1}  # decoder.c's LORA_*
-
-
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "mlp_norm", "attn_out_norm",
                                         "mlp_out_norm", "q_norm", "k_norm")] + [
         (name, _Projection) for name in ("qkv", "o", "gate_up", "down")] + [
         ("k_cache", _P), ("v_cache", _P), ("cos_table", _P), ("sin_table", _P),
-        ("window", ctypes.c_int), ("lora", _LoRAWeights * 4)]
+        ("window", ctypes.c_int), ("lora", LoRAWeights * 4)]
 
 
 class _ModelDims(ctypes.Structure):
@@ -198,7 +191,7 @@ class FusedDecode:
                     _projection(mlp.gate_up_proj), _projection(mlp.down_proj),
                     kv_cache[i, 0].data_ptr(), kv_cache[i, 1].data_ptr(),
                     spec.rotary.cos.data_ptr(), spec.rotary.sin.data_ptr(), spec.window,
-                    (_LoRAWeights * 4)(*self._lora_weights(i)))
+                    (LoRAWeights * 4)(*self._lora_weights(i)))
             table = getattr(self.model.embed_tokens, "table", None)
             if isinstance(table, QuantLinear):
                 self._embedding = _projection(table)
@@ -207,13 +200,11 @@ class FusedDecode:
         return self._layers
 
 
-    def _lora_weights(self, layer: int) -> list[_LoRAWeights]:
+    def _lora_weights(self, layer: int) -> list[LoRAWeights]:
         """Layer `layer`'s qkv, o, gate_up and down adapters (a NULL: none)."""
         if self.lora is None:
-            return [_LoRAWeights()] * 4
-        return [_LoRAWeights(t.A.data_ptr(), t.B.data_ptr(), t.width, len(t.parts),
-                             _LORA_DTYPE[t.A.dtype], (ctypes.c_int * 4)(*t.out_offsets))
-                for t in self.lora.layer_targets(layer)]
+            return [LoRAWeights()] * 4
+        return [t.native for t in self.lora.layer_targets(layer)]
 
 
 def _pointer(norm: torch.Tensor | None) -> int | None:

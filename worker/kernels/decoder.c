@@ -20,6 +20,7 @@
 #include "layer_ops.c"
 #include "paged_decode_attention.c"
 #include "quant_linear.c" /* (includes packed_linear.c) */
+#include "lora.c"
 
 #include <stdlib.h>
 
@@ -38,19 +39,6 @@ typedef struct Projection {
     int rows;
     const struct Projection *next;
 } Projection;
-
-/* One projection's LoRA adapters (worker/lora.py), one slot each: a [slots, K, rank] and
- * b [slots, rank, N], float32 or bfloat16 (`dtype`), a fused projection's `parts` side by
- * side (rank / parts columns of a each, zeros where an adapter has a smaller rank or no delta
- * for a part). b is block-diagonal: part p's rows are zero outside columns out_start[p] ..
- * out_start[p + 1], so only those are read. a == NULL: none. */
-enum { LORA_F32 = 0, LORA_BF16 = 1 };
-typedef struct {
-    const void *a, *b;
-    int rank, parts, dtype;
-    int out_start[4];
-} LoRAWeights;
-enum { LORA_MAX_SLOTS = 256 }; /* slots beyond are base rows */
 
 /* One layer's weights: projections, norms (float32; NULL: the layer has none there), its KV
  * cache (float32 or, in a bfloat16 model, bfloat16), its rotary tables and window, and the
@@ -142,146 +130,6 @@ static void linear(const Projection *p, const float *x, int64_t ldx, float *y, i
     linear_part(p, x, ldx, y, ldy, M, N, K, mem, threads, failed);
 }
 
-/* The step's adapter rows grouped by slot (a counting sort of row_slots): group g is slot
- * slot[g], rows order[start[g] .. start[g + 1]). */
-typedef struct {
-    int groups;
-    int slot[LORA_MAX_SLOTS], start[LORA_MAX_SLOTS + 1];
-    int order[]; /* [T] */
-} LoRAGroups;
-
-static LoRAGroups *lora_groups(const int32_t *row_slots, int T) {
-    LoRAGroups *g = malloc(sizeof(LoRAGroups) + sizeof(int) * (size_t)T);
-    if (!g)
-        return NULL;
-    int count[LORA_MAX_SLOTS] = {0};
-    for (int t = 0; t < T; t++)
-        if (row_slots[t] >= 0 && row_slots[t] < LORA_MAX_SLOTS)
-            count[row_slots[t]]++;
-    g->groups = 0;
-    int at = 0;
-    for (int s = 0; s < LORA_MAX_SLOTS; s++) {
-        if (!count[s])
-            continue;
-        g->slot[g->groups] = s;
-        g->start[g->groups++] = at;
-        for (int t = 0; t < T; t++)
-            if (row_slots[t] == s)
-                g->order[at++] = t;
-    }
-    g->start[g->groups] = at;
-    return g;
-}
-
-/* VLEN adapter weights from p[i] on, widened to float32 (dtype: a constant where inlined). */
-ALWAYS_INLINE vec lora_vload(const void *p, int64_t i, const int dtype) {
-    if (dtype == LORA_BF16)
-        return vload_bf16((const uint16_t *)p + i);
-    return vload((const float *)p + i);
-}
-
-ALWAYS_INLINE float lora_load(const void *p, int64_t i, const int dtype) {
-    if (dtype == LORA_BF16) {
-        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-/* u[c .. c + NV * VLEN) = x a over those columns, the sums in registers. */
-ALWAYS_INLINE void shrink_columns(const void *a, const float *x, int K, int rank, int c,
-                                  float *u, const int NV, const int dtype) {
-    vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
-    for (int j = 0; j < K; j++) {
-        const vec xj = vbcast(x + j);
-        for (int v = 0; v < NV; v++)
-            acc[v] = vfma(xj, lora_vload(a, (int64_t)j * rank + c + v * VLEN, dtype), acc[v]);
-    }
-    for (int v = 0; v < NV; v++)
-        vstore(u + c + v * VLEN, acc[v]);
-}
-
-/* y[n .. n + NV * VLEN) += u[k0 .. k1) b over those columns, the sums in registers. */
-ALWAYS_INLINE void expand_columns(const void *b, const float *u, int N, int k0, int k1, int n,
-                                  float *y, const int NV, const int dtype) {
-    vec acc[4];
-    for (int v = 0; v < NV; v++)
-        acc[v] = vload(y + n + v * VLEN);
-    for (int k = k0; k < k1; k++) {
-        const vec uk = vbcast(u + k);
-        for (int v = 0; v < NV; v++)
-            acc[v] = vfma(uk, lora_vload(b, (int64_t)k * N + n + v * VLEN, dtype), acc[v]);
-    }
-    for (int v = 0; v < NV; v++)
-        vstore(y + n + v * VLEN, acc[v]);
-}
-
-/* u = x a for one row (a: [K, rank] of one slot), then y += u b (b: [rank, N]), each part's
- * rank columns only over its own output columns. Four vectors of sums at a time stay in
- * registers (the compiler's own vectorization of the plain loops kept them in memory: the
- * deltas cost about twice as much). */
-ALWAYS_INLINE void lora_row(const LoRAWeights *l, const void *a, const void *b,
-                            const float *x, int K, int N, float *u, float *y, const int dtype) {
-    const int rank = l->rank, part_rank = rank / l->parts;
-    int c = 0;
-    for (; c + 4 * VLEN <= rank; c += 4 * VLEN)
-        shrink_columns(a, x, K, rank, c, u, 4, dtype);
-    switch ((rank - c) / VLEN) {
-    case 3: shrink_columns(a, x, K, rank, c, u, 3, dtype); break;
-    case 2: shrink_columns(a, x, K, rank, c, u, 2, dtype); break;
-    case 1: shrink_columns(a, x, K, rank, c, u, 1, dtype); break;
-    }
-    for (c += (rank - c) / VLEN * VLEN; c < rank; c++) {
-        float sum = 0.0f;
-        for (int j = 0; j < K; j++)
-            sum += x[j] * lora_load(a, (int64_t)j * rank + c, dtype);
-        u[c] = sum;
-    }
-    for (int p = 0; p < l->parts; p++) {
-        const int k0 = p * part_rank, k1 = k0 + part_rank;
-        const int n1 = l->out_start[p + 1];
-        int n = l->out_start[p];
-        for (; n + 4 * VLEN <= n1; n += 4 * VLEN)
-            expand_columns(b, u, N, k0, k1, n, y, 4, dtype);
-        for (; n + VLEN <= n1; n += VLEN)
-            expand_columns(b, u, N, k0, k1, n, y, 1, dtype);
-        for (; n < n1; n++)
-            for (int k = k0; k < k1; k++)
-                y[n] += u[k] * lora_load(b, (int64_t)k * N + n, dtype);
-    }
-}
-
-/* y[t] += (x[t] a_s) b_s for each row t of an adapter (slot s), by the team: Punica's
- * BGMV, each row its own adapter. The team splits the rows in slot order, so a thread's rows
- * mostly share one adapter's a and b, read from its cache after the first. One worksharing
- * loop: one barrier per projection (on a busy machine each costs more than the arithmetic).
- * `u`: [T, rank] scratch. */
-static void lora_add(const LoRAWeights *l, const LoRAGroups *g, const float *x, int64_t ldx,
-                     float *y, int64_t ldy, int N, int K, float *u) {
-    if (!l->a || !g)
-        return;
-    const int rank = l->rank, rows = g->start[g->groups];
-    const int64_t elem = l->dtype == LORA_BF16 ? 2 : 4;
-#pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) {
-        const int t = g->order[r];
-        int gi = 0;
-        while (r >= g->start[gi + 1])
-            gi++;
-        const int64_t slot = g->slot[gi];
-        const void *a = (const char *)l->a + slot * K * rank * elem;
-        const void *b = (const char *)l->b + slot * rank * N * elem;
-        const float *xt = x + (int64_t)t * ldx;
-        float *ut = u + (int64_t)t * rank, *yt = y + (int64_t)t * ldy;
-        if (l->dtype == LORA_BF16)
-            lora_row(l, a, b, xt, K, N, ut, yt, LORA_BF16);
-        else
-            lora_row(l, a, b, xt, K, N, ut, yt, LORA_F32);
-    }
-}
-
 /* Whether every quantized part of p has a kernel here for inputs of K. */
 static int projection_ok(const Projection *p, int K) {
     for (; p; p = p->next)
@@ -337,13 +185,11 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
     float *attn = malloc(sizeof(float) * (size_t)T * q_size);
     float *gate_up = malloc(sizeof(float) * (size_t)T * 2 * inter);
     float *act = malloc(sizeof(float) * (size_t)T * inter);
-    /* lora_rank: the widest of the projections' (0: no adapter rows this step) */
-    float *xa = malloc(sizeof(float) * (size_t)T * (lora_rank > 0 ? lora_rank : 1));
     LoRAGroups *lg = lora_rank > 0 && lora_slots ? lora_groups(lora_slots, T) : NULL;
     const int head_dim = d->head_dim;
     char *mem = ql_scratch_for(ql_acts_bytes(T, widest));
     int failed = 0;
-    if (!h || !qkv || !q || !attn || !gate_up || !act || !xa || !mem ||
+    if (!h || !qkv || !q || !attn || !gate_up || !act || !mem ||
         (lora_rank > 0 && lora_slots && !lg)) {
         failed = 1;
         goto done;
@@ -369,7 +215,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
             PROFILE_MARK(PART_NORM);
             linear(&L->qkv, h, hidden, qkv, qkv_width, T, qkv_width, hidden, mem, threads,
                    &failed);
-            lora_add(&L->lora[0], lg, h, hidden, qkv, qkv_width, qkv_width, hidden, xa);
+            lora_add(&L->lora[0], lg, h, hidden, qkv, qkv_width, qkv_width, hidden);
             PROFILE_MARK(PART_QKV);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -406,7 +252,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                                 L->window, d->scale, threads, &failed);
             PROFILE_MARK(PART_ATTENTION);
             linear(&L->o, attn, q_size, x, hidden, T, hidden, q_size, mem, threads, &failed);
-            lora_add(&L->lora[1], lg, attn, q_size, x, hidden, hidden, q_size, xa);
+            lora_add(&L->lora[1], lg, attn, q_size, x, hidden, hidden, q_size);
             PROFILE_MARK(PART_O);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -422,7 +268,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
             PROFILE_MARK(PART_POST_ATTN_NORM);
             linear(&L->gate_up, h, hidden, gate_up, 2 * inter, T, 2 * inter, hidden, mem,
                    threads, &failed);
-            lora_add(&L->lora[2], lg, h, hidden, gate_up, 2 * inter, 2 * inter, hidden, xa);
+            lora_add(&L->lora[2], lg, h, hidden, gate_up, 2 * inter, 2 * inter, hidden);
             PROFILE_MARK(PART_GATE_UP);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -435,7 +281,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
             }
             PROFILE_MARK(PART_ACT);
             linear(&L->down, act, inter, x, hidden, T, hidden, inter, mem, threads, &failed);
-            lora_add(&L->lora[3], lg, act, inter, x, hidden, hidden, inter, xa);
+            lora_add(&L->lora[3], lg, act, inter, x, hidden, hidden, inter);
             if (L->mlp_out_norm) {
 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t++)
@@ -461,7 +307,6 @@ done:
     free(attn);
     free(gate_up);
     free(act);
-    free(xa);
     free(lg);
     return failed ? -2 : 0;
 }
