@@ -308,3 +308,38 @@ def test_lora_paths_flags_name_and_check_adapters(tiny_model_dir, adapters):
         config("--enable-lora", "--lora-paths", adapters["alpha"], "--max-lora-rank", "4")
     with pytest.raises(StartupError, match="needs --enable-lora"):
         config("--lora-paths", adapters["alpha"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [5, 8])
+def test_native_deltas_equal_pytorch_for_rows_of_mixed_adapters(dtype, rank):
+    """worker/kernels/lora.c (the decode step's and the prefill hooks' deltas): each row with
+    its own slot, in blocks of a few rows of one adapter, a fused projection's parts apart;
+    base rows untouched. Widths that leave a vector and a scalar tail."""
+    from worker.lora import _native_kernel, _Target
+
+    kernel = _native_kernel(torch.device("cpu"), torch.float32)
+    if kernel is None:
+        pytest.skip("no C compiler: the PyTorch path runs")
+    import ctypes
+
+    torch.manual_seed(rank)
+    shapes = {"q_proj": (24, 40), "k_proj": (8, 40), "v_proj": (13, 40)}
+    target = _Target(tuple(shapes), shapes, 3, rank, dtype, torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        a, b = target.zeros()
+        for p in range(3):  # (block-diagonal b: part p's rank columns feed its outputs only)
+            cols = slice(p * rank, (p + 1) * rank)
+            a[:, cols] = torch.randn(40, rank)
+            b[cols, target.out_offsets[p]:target.out_offsets[p + 1]] = torch.randn(
+                rank, target.out_offsets[p + 1] - target.out_offsets[p])
+        target.store(slot, a, b)
+    row_slots = torch.randint(-1, 3, (23,), dtype=torch.int32)
+    x, y = torch.randn(23, 40), torch.randn(23, 45)
+    want = y.clone()
+    for t, slot in enumerate(row_slots.tolist()):
+        if slot >= 0:
+            want[t] += (x[t] @ target.A_compute[slot]) @ target.B_compute[slot]
+    assert kernel.loom_lora_add(ctypes.byref(target.native), row_slots.data_ptr(), 23,
+                                x.data_ptr(), 40, y.data_ptr(), 45, 45, 40) == 0
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
