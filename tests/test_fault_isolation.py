@@ -36,10 +36,10 @@ def _penalty_fails_at_third_token(values, state):
 PENALISE = logits_processors._penalise
 
 
-def _filter_fails_for_top_p(row, params):
+def _filter_fails_for_top_p(values, weights, params):
     if params.top_p < 1.0:
         raise RuntimeError("injected fault")
-    return KEPT_FLOOR(row, params)
+    return KEPT_FLOOR(values, weights, params)
 
 
 KEPT_FLOOR = sampler._kept_floor

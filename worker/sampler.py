@@ -108,7 +108,8 @@ def describe(exc: BaseException) -> str:
 
 
 def _sample_random(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
-    probs, token_ids = _filtered_probs(logits, [s.params for s in states])
+    """Draws for `logits`, a copy of the random rows (scaled in place)."""
+    probs, token_ids = _filtered_probs(logits, [s.params for s in states], in_place=True)
     choice = _draw(probs, states)
     if token_ids is None:
         return choice
@@ -126,12 +127,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams], in_place: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Temperature, then top-k, top-p and min-p: the rows' probabilities, in vocabulary order,
-    or (when filtered) those of the kept tokens with their token ids."""
+    """Temperature (dividing `logits` itself if `in_place`), then top-k, top-p and min-p: the
+    rows' probabilities, in vocabulary order, or (when filtered) those of the kept tokens
+    with their token ids."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
-    logits = logits / temps
+    logits = logits.div_(temps) if in_place else logits / temps
     needs_filter = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
     if not needs_filter:
         return logits.softmax(dim=-1), None
@@ -162,33 +164,55 @@ def _filter_sorted(sorted_logits: torch.Tensor, params: list[SamplingParams]) ->
 # On the CPU the filters are thresholds on each row's logits, found without ranking the whole
 # vocabulary (sorting 157k logits with their ids took ~25 ms a row on one thread, ~100 ms a
 # step for 4 speech streams at top-p 0.8): a peaked row is cut among the tokens near its best
-# (`_near_cut`), any other row by a histogram of its mass (`_cut_by_histogram`).
+# (`_near_cut`), any other row by a histogram of its mass (`_cut_by_histogram`). The
+# exponentials are numpy's: PyTorch's CPU `exp` takes 10-70x longer where its results
+# underflow (logits more than 87 below the best, as in every row of a peaked model at a low
+# temperature: 2-15 ms a row at 157k, against 0.2-0.7 ms).
 
 
 def filter_by_threshold(logits: torch.Tensor, params: list[SamplingParams],
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_filter_sorted`'s tokens and probabilities, each row's kept tokens in vocabulary
-    order: probabilities [B, K] (rows padded with zeros) and their token ids [B, K]. A row
-    keeps the logits at or above the smallest one its top-k, top-p and min-p keep (tokens
-    tied with that one all stay; the definition keeps as many as its sort puts first)."""
-    rows = []
-    for row, p in zip(logits, params):
-        near = _near_cut(row.numpy(), p)
-        if near is not None:
-            ids, values = torch.from_numpy(near[0]), torch.from_numpy(near[1])
+    """`_filter_sorted`'s tokens and probabilities: probabilities [B, K] and their token
+    ids [B, K], in vocabulary order. A row keeps the logits at or above the smallest one its
+    top-k, top-p and min-p keep (tokens tied with that one all stay; the definition keeps as
+    many as its sort puts first). When every row is cut near its best, K is the most tokens
+    a row keeps (rows padded with zeros); otherwise the vocabulary, each row's weights
+    written in place (a flat row keeps most of it: no list of ids and gathered copies)."""
+    values = logits.numpy()
+    near = [_near_cut(row, p) for row, p in zip(values, params)]
+    if all(cut is not None for cut in near):
+        return _padded(near)
+    probs = np.empty(values.shape, dtype=np.float32)
+    for row, p, cut, out in zip(values, params, near, probs):
+        if cut is None:
+            _kept_weights(row, p, out)
         else:
-            floor = _kept_floor(row, p)
-            ids = (row >= floor).nonzero().squeeze(1) if floor > -math.inf else \
-                torch.arange(len(row))
-            values = row[ids]
-        rows.append((ids, (values - values.max()).exp()))
-    width = max(len(ids) for ids, _ in rows)
-    probs = torch.zeros(len(rows), width, dtype=logits.dtype)
-    token_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, (ids, row_probs) in enumerate(rows):
-        probs[i, :len(ids)] = row_probs
-        token_ids[i, :len(ids)] = ids
+            ids, kept = cut
+            out.fill(0.0)
+            out[ids] = np.exp(kept - kept.max())  # (the best token is always kept)
+    rows, vocab = values.shape
+    return torch.from_numpy(probs), torch.arange(vocab).expand(rows, vocab)
+
+
+def _padded(kept_rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids, _ in kept_rows)
+    probs = torch.zeros(len(kept_rows), width)
+    token_ids = torch.zeros(len(kept_rows), width, dtype=torch.long)
+    for i, (ids, kept) in enumerate(kept_rows):
+        probs[i, :len(ids)] = torch.from_numpy(np.exp(kept - kept.max()))
+        token_ids[i, :len(ids)] = torch.from_numpy(ids)
     return probs, token_ids
+
+
+def _kept_weights(values: np.ndarray, p: SamplingParams, out: np.ndarray) -> None:
+    """One row's weights e^(logit - best) into `out`, zero where its filters drop a token."""
+    best = values.max()
+    np.exp(np.subtract(values, best, out=out), out=out)
+    if not np.isfinite(best):  # (NaN, +inf or all masked: left to the draw, as the definition)
+        return
+    floor = _kept_floor(values, out, p)
+    if floor > -math.inf:
+        out *= values >= floor
 
 
 # A token more than this below a row's best logit has under e^-20 of its probability: all of
@@ -208,9 +232,10 @@ def _near_cut(values: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.nda
     best = values.max()
     if not np.isfinite(best):
         return None
-    near = np.flatnonzero(values >= best - FAR_LOGIT_RANGE)
-    if len(near) * 8 > vocab:
+    is_near = values >= best - FAR_LOGIT_RANGE
+    if np.count_nonzero(is_near) * 8 > vocab:
         return None
+    near = np.flatnonzero(is_near)
     near_values = values[near]
     floor = best + math.log(p.min_p) if p.min_p > 0.0 else -math.inf
     if p.top_p < 1.0:
@@ -218,10 +243,12 @@ def _near_cut(values: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.nda
         weights = np.exp((ranked - best).astype(np.float64))
         total = weights.sum()
         far_bound = (vocab - len(near)) * math.exp(-FAR_LOGIT_RANGE)
+        # The probability ranked above each near token, and above the first far one (all
+        # of the near tokens'): a cut there keeps every near token and no far one.
+        above = np.concatenate(([0.0], np.cumsum(weights)))
         cuts = set()
         for z in (total, total + far_bound):
-            above = np.concatenate(([0.0], np.cumsum(weights[:-1]))) / z
-            dropped = above >= p.top_p
+            dropped = above / z >= p.top_p
             if not dropped.any():
                 return None  # (the cut may be among the far tokens)
             cuts.add(int(dropped.argmax()))
@@ -234,13 +261,10 @@ def _near_cut(values: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.nda
     return near[kept], near_values[kept]
 
 
-def _kept_floor(row: torch.Tensor, p: SamplingParams) -> float:
-    """The smallest logit of one row that its filters keep."""
-    values = row.numpy()
+def _kept_floor(values: np.ndarray, weights: np.ndarray, p: SamplingParams) -> float:
+    """The smallest logit of one row that its filters keep (`weights`: e^(logit - best))."""
     vocab = len(values)
     best = float(values.max())
-    if not math.isfinite(best):
-        return -math.inf
     floor = -math.inf
     if 0 < p.top_k < vocab:
         floor = float(np.partition(values, vocab - p.top_k)[vocab - p.top_k])  # k-th largest
@@ -248,23 +272,19 @@ def _kept_floor(row: torch.Tensor, p: SamplingParams) -> float:
     if p.min_p > 0.0:
         floor = max(floor, best + math.log(p.min_p))
     if p.top_p < 1.0:
-        floor = max(floor, _top_p_floor(row, best, p.top_p, top_k_floor))
+        if top_k_floor > -math.inf:
+            in_top_k = values >= top_k_floor
+            values, weights = values[in_top_k], weights[in_top_k]
+        floor = max(floor, _cut_by_histogram(values, weights, p.top_p))
     return floor
-
-
-def _top_p_floor(row: torch.Tensor, best: float, top_p: float, top_k_floor: float) -> float:
-    """The logit of the last token of the shortest prefix of the row's ranking (among the
-    tokens at or above `top_k_floor`) whose probability reaches top_p."""
-    kept = row if top_k_floor == -math.inf else row[row >= top_k_floor]
-    weights = (kept - best).exp()
-    total = float(weights.sum(dtype=torch.float64))
-    return _cut_by_histogram(kept.numpy(), weights.numpy(), total, top_p)
 
 
 def _cut_among(values: np.ndarray, weights: np.ndarray, above_start: np.float32,
                total: float, top_p: float) -> float | None:
     """Top-p's last kept logit among `values` (the tokens of one histogram bin, ranked right
     after tokens of probability `above_start`), or None when all of them are kept."""
+    if values.min() == values.max():  # (tied: all of them stay whichever is the last)
+        return None
     order = np.argsort(values)[::-1]
     # As the definition (in float32 as it, so that a cut exactly at top_p falls alike): a
     # token is dropped once the probability of the tokens above it reaches top_p.
@@ -279,27 +299,29 @@ def _cut_among(values: np.ndarray, weights: np.ndarray, above_start: np.float32,
     return float(values[order[max(int(dropped.argmax()) - 1, 0)]])
 
 
-# A flat row keeps tens of thousands of tokens: rather than sort them, their probability
-# is summed in 1,024 logit bins, and only the bin where the top-p cut falls is sorted.
-CUT_BINS = 1024
+# A flat row keeps tens of thousands of tokens: rather than sort them, their probability is
+# summed in bins of their weights, and only the bin where the top-p cut falls is sorted. A
+# bin is a weight's float32 exponent and first 7 mantissa bits (a positive float's bits
+# order as the float, and the weights as the logits): 1/128 of an octave, 0.005 of a logit.
+WEIGHT_BIN_SHIFT = 16
 
 
-def _cut_by_histogram(values: np.ndarray, weights: np.ndarray, total: float,
-                      top_p: float) -> float:
-    low, high = float(values.min()), float(values.max())
-    if not high > low:
-        return low
-    scale = CUT_BINS / (high - low)
-    bins = np.minimum(((values - low) * scale).astype(np.int64), CUT_BINS - 1)
-    mass = np.bincount(bins, weights=weights, minlength=CUT_BINS)[::-1]  # (highest first)
-    through = np.cumsum((mass / total).astype(np.float32))  # (float32, as `_cut_among`)
+def _cut_by_histogram(values: np.ndarray, weights: np.ndarray, top_p: float) -> float:
+    """The logit of the last token of the shortest prefix of the row's ranking whose
+    probability reaches top_p (`weights`: e^(logit - best))."""
+    total = float(weights.sum(dtype=np.float64))
+    bins = np.empty(len(weights), dtype=np.intp)
+    np.right_shift(weights.view(np.int32), WEIGHT_BIN_SHIFT, out=bins)
+    mass = np.bincount(bins, weights=weights)[::-1]  # (highest first)
+    # (Summed in float64 as the definition's running sum, then compared in float32 as it.)
+    through = (np.cumsum(mass) / total).astype(np.float32)
     reached = through >= top_p
     if not reached.any():  # (rounding: every token is kept)
-        return low
+        return float(values.min())
     # The first bin whose tokens bring the probability to top_p holds the last kept token;
     # every token of the bins above it is kept.
     first = int(reached.argmax())
-    in_bin = bins == CUT_BINS - 1 - first
+    in_bin = np.flatnonzero(bins == len(mass) - 1 - first)
     above = through[first - 1] if first else np.float32(0.0)
     cut = _cut_among(values[in_bin], weights[in_bin], above, total, top_p)
     return float(values[in_bin].min()) if cut is None else cut
