@@ -30,8 +30,9 @@ typedef struct {
 enum { LORA_MAX_SLOTS = 256 }; /* slots beyond are base rows */
 
 /* Rows of one adapter multiplied together: LORA_ROWS x 2 vectors of sums, 2 weight vectors
- * and a broadcast fit AVX2's 16 registers. */
-enum { LORA_ROWS = 4 };
+ * and a broadcast fit AVX2's 16 registers (6 rows: a sixth faster than 4 on a prefill
+ * chunk's 64 rows of one adapter, on an AVX2 EPYC). */
+enum { LORA_ROWS = 6 };
 
 /* The step's adapter rows grouped by slot (a counting sort of row_slots, stable), cut into
  * blocks of at most LORA_ROWS rows: block i is rows order[first[i] .. first[i] + rows[i]) of
@@ -182,6 +183,8 @@ static void lora_block(const LoRAWeights *l, const void *a, const void *b,
         LORA_BLOCK_CASE(2)
         LORA_BLOCK_CASE(3)
         LORA_BLOCK_CASE(4)
+        LORA_BLOCK_CASE(5)
+        LORA_BLOCK_CASE(6)
     }
 }
 
