@@ -40,3 +40,28 @@ def test_native_kernel_matches_sdpa(dtype, tol, num_seqs):
     got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
     want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler: the PyTorch fallback is used")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_one_sequence_equal_each_row_alone(dtype):
+    """A speculative verify step's rows (one sequence's last tokens, each a row over the same
+    blocks) share one pass over K/V: each row's output must be the very numbers it gets
+    alone, or greedy output would change with speculation. Two runs of rows beside a row of
+    another sequence, one run crossing a block boundary."""
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, heads, dim = 40, 16, 3, 9, 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    a, b = torch.randperm(num_blocks)[:20].reshape(2, 10).to(torch.int32)
+    tables = torch.stack([a] * 6 + [b] + [b] * 4).contiguous()
+    seq_lens = torch.tensor([45, 46, 47, 48, 49, 50, 100, 30, 31, 32, 33], dtype=torch.int32)
+    q = torch.randn(len(seq_lens), heads, dim)
+    together = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    for i in range(len(seq_lens)):
+        alone = paged_decode_attention(q[i:i + 1].contiguous(), k_cache, v_cache,
+                                       tables[i:i + 1].contiguous(), seq_lens[i:i + 1], 0.125)
+        assert torch.equal(together[i], alone[0]), i
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(together, want, atol=2e-2, rtol=2e-2)

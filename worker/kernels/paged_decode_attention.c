@@ -3,10 +3,22 @@
  * The portable path gathers every sequence's blocks into a padded tensor first; at batch 32
  * and 300-token contexts that copy moves ~450 MB per step on a machine with ~10 GB/s, more
  * than the weights. Here each sequence is one task that walks its block table directly:
- * pass 1 computes every head's scores, pass 2 accumulates V with the softmax weights. K and
- * V are each read once, whole rows (all kv heads) at a time: a task per (sequence, kv head)
- * read 1/num_kv_heads of each row and was ~20 % slower at batch 16 x 260 tokens. Batches
- * smaller than the thread count still split by kv head so every thread has work.
+ * pass 1 computes every head's scores (K read once, whole rows: all kv heads at a time; a task
+ * per (sequence, kv head) read 1/num_kv_heads of each row and was ~20 % slower at batch 16 x
+ * 260 tokens), pass 2 accumulates V with the softmax weights, 16 positions at a time (their
+ * rows stay in L1 while each kv head's sums pass over them). Batches smaller than the thread
+ * count still split by kv head so every thread has work.
+ *
+ * Rows of one sequence at consecutive positions (the proposals a speculative verify step
+ * checks, each a row over the same blocks: worker/model_runner.py, rows_as_decodes) are one
+ * task: each kv head's K vector is scored against that group's query heads of every row at
+ * once, and each 8 values of a V row are added into up to 8 of those queries' sums held in
+ * registers (a task per row read the sequence's K/V from the caches once per row, and a
+ * 6-row verify step's attention cost 3x a one-token step's). A row's arithmetic is the same
+ * code alone and among others (each score one chain of FMAs over the head's 8-lane chunks,
+ * then its lanes summed in a fixed tree; each output value summed over the tokens in order,
+ * a token past the row's end adding an exact 0 * v), so its numbers do not depend on its
+ * company: greedy output is the same with and without speculation.
  *
  * Layout (row-major):
  *   q            [num_seqs, num_heads, head_dim] (float32)
@@ -27,6 +39,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+#endif
+#define ATTN_INLINE static inline __attribute__((always_inline))
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = ((uint32_t)x) << 16;
     float f;
@@ -34,10 +52,135 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+/* Rows r and r + 1 read the same K/V, r + 1 one token further (a verify step's rows). */
+static int same_run(const int32_t *block_tables, const int32_t *seq_lens, int max_blocks,
+                    int r) {
+    return seq_lens[r + 1] == seq_lens[r] + 1 &&
+           memcmp(block_tables + (int64_t)r * max_blocks,
+                  block_tables + (int64_t)(r + 1) * max_blocks,
+                  sizeof(int32_t) * (size_t)max_blocks) == 0;
+}
+
+/* Scores of W queries (1..4; a constant where inlined) against the K vectors of 1 or 2
+ * tokens (k[0], k[1]): out[j][tok] = q[j] . k[tok]. AVX2: each score one chain of FMAs over the
+ * 8-value chunks, its lanes summed as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)); 2
+ * tokens at a time keep 8 chains going. */
+ATTN_INLINE void score_tile(const int W, const int tokens, const float *const *k,
+                            const float *const *q, float *const *out, int head_dim) {
+#if defined(ATTN_AVX2)
+    if (head_dim % 8 == 0) {
+        __m256 acc[2][4];
+        for (int u = 0; u < 2; u++)
+            for (int j = 0; j < 4; j++) acc[u][j] = _mm256_setzero_ps();
+        for (int d = 0; d < head_dim; d += 8)
+            for (int u = 0; u < tokens; u++) {
+                const __m256 kv = _mm256_loadu_ps(k[u] + d);
+                for (int j = 0; j < W; j++)
+                    acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d), kv, acc[u][j]);
+            }
+        for (int u = 0; u < tokens; u++) {
+            const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[u][0], acc[u][1]),
+                                            _mm256_hadd_ps(acc[u][2], acc[u][3]));
+            float r[4];
+            _mm_storeu_ps(r, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+            for (int j = 0; j < W; j++) out[j][u] = r[j];
+        }
+        return;
+    }
+#endif
+    for (int u = 0; u < tokens; u++)
+        for (int j = 0; j < W; j++) {
+            float dot = 0.f;
+            for (int d = 0; d < head_dim; d++) dot += q[j][d] * k[u][d];
+            out[j][u] = dot;
+        }
+}
+
+static void score_tile_any(int W, int tokens, const float *const *k, const float *const *q,
+                           float *const *out, int head_dim) {
+#define ATTN_SCORE_CASE(w)                                                                   \
+    case w:                                                                                  \
+        if (tokens == 2)                                                                     \
+            score_tile(w, 2, k, q, out, head_dim);                                           \
+        else                                                                                 \
+            score_tile(w, 1, k, q, out, head_dim);                                           \
+        break;
+    switch (W) {
+    ATTN_SCORE_CASE(1)
+    ATTN_SCORE_CASE(2)
+    ATTN_SCORE_CASE(3)
+    default: ATTN_SCORE_CASE(4)
+    }
+}
+
+/* V_TILE_##S: out[j][0 .. 8 C) += sum over t < span of w[j][t] v_t[0 .. 8 C), in order of t,
+ * for W queries (W, C constants where inlined), v_t = v + slots[t] * row: W x C chains of
+ * FMAs in registers (8 or so: fewer wait on the FMA's latency). */
+#if defined(ATTN_AVX2)
+ATTN_INLINE __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+ATTN_INLINE __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#define DEFINE_V_TILE(S, T, LOAD8)                                                           \
+ATTN_INLINE void v_tile_##S(const int W, const int C, const T *v, const int64_t *slots,      \
+                            int64_t row, int span, const float *const *w, float *const *out) { \
+    __m256 acc[8][8];                                                                        \
+    for (int j = 0; j < W; j++)                                                              \
+        for (int c = 0; c < C; c++) acc[j][c] = _mm256_loadu_ps(out[j] + 8 * c);             \
+    for (int t = 0; t < span; t++) {                                                         \
+        const T *vt = v + slots[t] * row;                                                    \
+        __m256 vc[8];                                                                        \
+        for (int c = 0; c < C; c++) vc[c] = LOAD8(vt + 8 * c);                               \
+        for (int j = 0; j < W; j++) {                                                        \
+            const __m256 wj = _mm256_set1_ps(w[j][t]);                                       \
+            for (int c = 0; c < C; c++) acc[j][c] = _mm256_fmadd_ps(wj, vc[c], acc[j][c]);   \
+        }                                                                                    \
+    }                                                                                        \
+    for (int j = 0; j < W; j++)                                                              \
+        for (int c = 0; c < C; c++) _mm256_storeu_ps(out[j] + 8 * c, acc[j][c]);             \
+}                                                                                            \
+/* The whole head_dim (a multiple of 8) of W queries, 8 / W chunks of 8 values at a time.  \
+ * (+=, as v_tile) */                                                                        \
+static void v_tile_any_##S(int W, const T *v, const int64_t *slots, int64_t row, int span,   \
+                           const float *const *w, float *const *out, int head_dim) {         \
+    float *o[8];                                                                             \
+    const int width = W == 1 ? 64 : W == 2 ? 32 : 16; /* (8 C values) */                     \
+    int d = 0;                                                                               \
+    for (; W <= 4 && d + width <= head_dim; d += width) {                                    \
+        for (int j = 0; j < W; j++) o[j] = out[j] + d;                                       \
+        switch (W) {                                                                         \
+        case 1: v_tile_##S(1, 8, v + d, slots, row, span, w, o); break;                      \
+        case 2: v_tile_##S(2, 4, v + d, slots, row, span, w, o); break;                      \
+        case 3: v_tile_##S(3, 2, v + d, slots, row, span, w, o); break;                      \
+        default: v_tile_##S(4, 2, v + d, slots, row, span, w, o); break;                     \
+        }                                                                                    \
+    }                                                                                        \
+    for (; d < head_dim; d += 8) {                                                           \
+        for (int j = 0; j < W; j++) o[j] = out[j] + d;                                       \
+        switch (W) {                                                                         \
+        case 1: v_tile_##S(1, 1, v + d, slots, row, span, w, o); break;                      \
+        case 2: v_tile_##S(2, 1, v + d, slots, row, span, w, o); break;                      \
+        case 3: v_tile_##S(3, 1, v + d, slots, row, span, w, o); break;                      \
+        case 4: v_tile_##S(4, 1, v + d, slots, row, span, w, o); break;                      \
+        case 5: v_tile_##S(5, 1, v + d, slots, row, span, w, o); break;                      \
+        case 6: v_tile_##S(6, 1, v + d, slots, row, span, w, o); break;                      \
+        case 7: v_tile_##S(7, 1, v + d, slots, row, span, w, o); break;                      \
+        default: v_tile_##S(8, 1, v + d, slots, row, span, w, o); break;                     \
+        }                                                                                    \
+    }                                                                                        \
+}
+DEFINE_V_TILE(f32, float, load8_f32)
+DEFINE_V_TILE(bf16, uint16_t, load8_bf16)
+#endif
+
 /* NAME##_team: the work for a team of threads already running (orphaned worksharing, for
  * decoder.c's one parallel region per step); a failed allocation sets *failed. Ends with the
- * team's barrier. NAME runs it in a region of its own. */
-#define DEFINE_KERNEL(NAME, T, LOAD)                                                         \
+ * team's barrier. NAME runs it in a region of its own.
+ * A task: rows r0 .. r0 + n of one run, query heads h0 .. h0 + nh. Row i attends to
+ * positions first[i] .. end[i] (both grow with i); scores[i][h][p - lo] over all the run's
+ * positions lo .. lo + span, 0 outside the row's own after the softmax. */
+#define DEFINE_KERNEL(NAME, S, T, LOAD)                                                      \
 static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,                   \
                         const int32_t *block_tables, const int32_t *seq_lens, float *out,    \
                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,         \
@@ -45,66 +188,120 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
                         int threads, int *failed_out) {                                      \
     const int group = num_heads / num_kv_heads;                                              \
     const int64_t row = (int64_t)num_kv_heads * head_dim;                                    \
-    /* Fewer sequences than threads (small batches): split each by query head instead (9   \
-     * tasks for SmolLM2's 3 kv heads keep 2 threads busy where 3 tasks left one idle a      \
-     * third of the time; each task reads its kv head's rows, from cache after the first). */ \
-    const int splits = num_seqs < threads ? num_heads : 1;                                   \
-    const int heads_per_task = num_heads / splits;                                           \
+    int run_start[num_seqs + 1], runs = 0; /* (each thread its own copy: a few ints) */      \
+    for (int s = 0; s < num_seqs; s++)                                                       \
+        if (s == 0 || !same_run(block_tables, seq_lens, max_blocks, s - 1))                  \
+            run_start[runs++] = s;                                                           \
+    run_start[runs] = num_seqs;                                                              \
+    /* Fewer runs than threads (small batches): split each by query head instead (9 tasks   \
+     * for SmolLM2's 3 kv heads keep 2 threads busy where 3 tasks left one idle a third of  \
+     * the time; each task reads its kv head's rows, from cache after the first). */         \
+    const int splits = runs < threads ? num_heads : 1;                                       \
+    const int nh = num_heads / splits;                                                       \
     int failed = 0;                                                                          \
     _Pragma("omp for schedule(dynamic, 1)")                                                  \
-    for (int task = 0; task < num_seqs * splits; task++) {                                   \
-        const int s = task / splits, h0 = (task % splits) * heads_per_task;                  \
-        const int end = seq_lens[s];                                                         \
-        const int first = window > 0 && end > window ? end - window : 0;                     \
-        const int len = end - first;                                                         \
-        const int32_t *table = block_tables + (int64_t)s * max_blocks;                       \
-        const int nh = heads_per_task;                                                       \
-        float *scores = malloc(sizeof(float) * (size_t)nh * (size_t)len);                    \
-        float *qf = malloc(sizeof(float) * (size_t)nh * (size_t)head_dim);                   \
-        if (!scores || !qf) { /* (no break out of an OpenMP loop: the other tasks finish) */  \
+    for (int task = 0; task < runs * splits; task++) {                                       \
+        const int r0 = run_start[task / splits], n = run_start[task / splits + 1] - r0;      \
+        const int h0 = (task % splits) * nh;                                                 \
+        const int32_t *table = block_tables + (int64_t)r0 * max_blocks;                      \
+        int first[n], end[n];                                                                \
+        for (int i = 0; i < n; i++) {                                                        \
+            end[i] = seq_lens[r0 + i];                                                       \
+            first[i] = window > 0 && end[i] > window ? end[i] - window : 0;                  \
+        }                                                                                    \
+        const int lo = first[0], span = end[n - 1] - lo;                                     \
+        const int nq = n * nh;                                                               \
+        float *scores = malloc(sizeof(float) * (size_t)nq * (size_t)span);                  \
+        float *qf = malloc(sizeof(float) * (size_t)nq * (size_t)head_dim);                   \
+        float *kf = malloc(sizeof(float) * 2 * (size_t)head_dim);                            \
+        int64_t *slots = malloc(sizeof(int64_t) * (size_t)span);                             \
+        const float **qs = malloc(sizeof(float *) * (size_t)nq);                             \
+        float **outs = malloc(sizeof(float *) * (size_t)nq);                                 \
+        if (!scores || !qf || !kf || !slots || !qs || !outs) { /* (no break out of an       \
+                                                                 * OpenMP loop) */           \
             free(scores);                                                                    \
             free(qf);                                                                        \
+            free(kf);                                                                        \
+            free(slots);                                                                     \
+            free(qs);                                                                        \
+            free(outs);                                                                      \
             _Pragma("omp atomic write")                                                      \
             failed = 1;                                                                      \
             continue;                                                                        \
         }                                                                                    \
-        float *acc = out + ((int64_t)s * num_heads + h0) * head_dim;                         \
-        const float *qs = q + ((int64_t)s * num_heads + h0) * head_dim;                      \
-        for (int i = 0; i < nh * head_dim; i++) qf[i] = qs[i] * scale;                       \
-        for (int t = 0; t < len; t++) {                                                      \
-            const int p = first + t;                                                         \
-            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size; \
-            const T *krow = k_cache + slot * row;                                            \
-            for (int h = 0; h < nh; h++) {                                                   \
-                const float *qh = qf + (int64_t)h * head_dim;                                \
-                const T *kh = krow + (int64_t)((h0 + h) / group) * head_dim;                 \
-                float dot = 0.f;                                                             \
-                for (int d = 0; d < head_dim; d++) dot += qh[d] * LOAD(kh[d]);               \
-                scores[(int64_t)h * len + t] = dot;                                          \
+        for (int t = 0; t < span; t++) {                                                     \
+            const int p = lo + t;                                                            \
+            slots[t] = (int64_t)table[p / block_size] * block_size + p % block_size;         \
+        }                                                                                    \
+        for (int i = 0; i < n; i++) {                                                        \
+            const float *src = q + ((int64_t)(r0 + i) * num_heads + h0) * head_dim;          \
+            float *qi = qf + (int64_t)i * nh * head_dim;                                     \
+            for (int j = 0; j < nh * head_dim; j++) qi[j] = src[j] * scale;                  \
+        }                                                                                    \
+        const int kv0 = h0 / group, kv1 = (h0 + nh - 1) / group;                             \
+        /* scores: each kv head's K vectors of 2 positions against its query heads of every \
+         * row, 4 at a time (a row's scores past its end are not used) */                    \
+        const int64_t k_from = (int64_t)kv0 * head_dim * (int64_t)sizeof(T),                 \
+                      k_bytes = (int64_t)(kv1 + 1 - kv0) * head_dim * (int64_t)sizeof(T);    \
+        for (int t = 0; t < span; t += 2) {                                                  \
+            const int tokens = span - t < 2 ? 1 : 2;                                         \
+            for (int u = t + 8; u < t + 8 + tokens && u < span; u++) /* 8 positions ahead */ \
+                for (int64_t b = 0; b < k_bytes; b += 64)                                    \
+                    __builtin_prefetch((const char *)(k_cache + slots[u] * row) + k_from + b, \
+                                       0, 3);                                                \
+            const T *krow[2] = {k_cache + slots[t] * row,                                    \
+                                k_cache + slots[t + tokens - 1] * row};                      \
+            for (int kvh = kv0; kvh <= kv1; kvh++) {                                         \
+                const float *k[2];                                                           \
+                for (int u = 0; u < tokens; u++)                                             \
+                    k[u] = WIDEN_##S(krow[u] + (int64_t)kvh * head_dim, kf + u * head_dim,   \
+                                     head_dim);                                              \
+                const int ha = kvh * group > h0 ? kvh * group - h0 : 0;                      \
+                const int hb = (kvh + 1) * group - h0 < nh ? (kvh + 1) * group - h0 : nh;    \
+                int m = 0;                                                                   \
+                for (int i = 0; i < n; i++)                                                  \
+                    for (int h = ha; h < hb; h++) {                                          \
+                        qs[m] = qf + ((int64_t)i * nh + h) * head_dim;                       \
+                        outs[m++] = scores + ((int64_t)i * nh + h) * span + t;               \
+                    }                                                                        \
+                for (int j = 0; j < m; j += 4)                                               \
+                    score_tile_any(m - j < 4 ? m - j : 4, tokens, k, qs + j, outs + j,       \
+                                   head_dim);                                                \
             }                                                                                \
         }                                                                                    \
-        for (int h = 0; h < nh; h++) {                                                       \
-            float *sc = scores + (int64_t)h * len;                                           \
-            float m = -FLT_MAX, sum = 0.f;                                                   \
-            for (int t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                         \
-            for (int t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }         \
-            const float inv = 1.f / sum;                                                     \
-            for (int t = 0; t < len; t++) sc[t] *= inv;                                      \
-        }                                                                                    \
-        memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                               \
-        for (int t = 0; t < len; t++) {                                                      \
-            const int p = first + t;                                                         \
-            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size; \
-            const T *vrow = v_cache + slot * row;                                            \
+        for (int i = 0; i < n; i++)                                                          \
             for (int h = 0; h < nh; h++) {                                                   \
-                const float w = scores[(int64_t)h * len + t];                                \
-                const T *vh = vrow + (int64_t)((h0 + h) / group) * head_dim;                 \
-                float *a = acc + (int64_t)h * head_dim;                                      \
-                for (int d = 0; d < head_dim; d++) a[d] += w * LOAD(vh[d]);                  \
+                float *all = scores + ((int64_t)i * nh + h) * span;                          \
+                float *sc = all + first[i] - lo;                                             \
+                const int len = end[i] - first[i];                                           \
+                float m = -FLT_MAX, sum = 0.f;                                               \
+                for (int t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                     \
+                for (int t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }     \
+                const float inv = 1.f / sum;                                                 \
+                for (int t = 0; t < len; t++) sc[t] *= inv;                                  \
+                memset(all, 0, sizeof(float) * (size_t)(first[i] - lo));                    \
+                memset(sc + len, 0, sizeof(float) * (size_t)(span - (first[i] - lo) - len)); \
             }                                                                                \
+        /* out = sum over the positions of w v, each kv head's V values 8 at a time into up  \
+         * to 8 of its queries' sums */                                                      \
+        for (int kvh = kv0; kvh <= kv1; kvh++) {                                             \
+            const int ha = kvh * group > h0 ? kvh * group - h0 : 0;                          \
+            const int hb = (kvh + 1) * group - h0 < nh ? (kvh + 1) * group - h0 : nh;        \
+            int m = 0;                                                                       \
+            for (int i = 0; i < n; i++)                                                      \
+                for (int h = ha; h < hb; h++) {                                              \
+                    qs[m] = scores + ((int64_t)i * nh + h) * span;                           \
+                    outs[m++] = out + ((int64_t)(r0 + i) * num_heads + h0 + h) * head_dim;   \
+                }                                                                            \
+            const T *v = v_cache + (int64_t)kvh * head_dim;                                  \
+            SUM_V_##S(v, slots, row, span, qs, outs, m, head_dim);                           \
         }                                                                                    \
         free(scores);                                                                        \
         free(qf);                                                                            \
+        free(kf);                                                                            \
+        free(slots);                                                                         \
+        free(qs);                                                                            \
+        free(outs);                                                                          \
     }                                                                                        \
     if (failed) {                                                                            \
         _Pragma("omp atomic write")                                                          \
@@ -122,9 +319,66 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *bloc
     return failed ? -1 : 0;                                                                  \
 }
 
+/* A kv head's K vector as float32: in place, or widened into buf. */
+static inline const float *WIDEN_f32(const float *k, float *buf, int head_dim) {
+    (void)buf;
+    (void)head_dim;
+    return k;
+}
+static inline const float *WIDEN_bf16(const uint16_t *k, float *buf, int head_dim) {
+    for (int d = 0; d < head_dim; d++) buf[d] = bf16_to_f32(k[d]);
+    return buf;
+}
+
+/* outs[j][0 .. head_dim) = sum over t < span of w[j][t] v_t (v_t = v + slots[t] * row) for m
+ * queries, in order of t. */
+#define DEFINE_SUM_V(S, T, LOAD)                                                             \
+static void SUM_V_##S(const T *v, const int64_t *slots, int64_t row, int span,               \
+                      const float *const *w, float *const *outs, int m, int head_dim) {      \
+    SUM_V_AVX2_##S                                                                           \
+    for (int j = 0; j < m; j++) {                                                            \
+        float *acc = outs[j];                                                                \
+        memset(acc, 0, sizeof(float) * (size_t)head_dim);                                    \
+        for (int t = 0; t < span; t++) {                                                     \
+            const T *vt = v + slots[t] * row;                                                \
+            for (int d = 0; d < head_dim; d++) acc[d] += w[j][t] * LOAD(vt[d]);              \
+        }                                                                                    \
+    }                                                                                        \
+}
+#if defined(ATTN_AVX2)
+#define SUM_V_AVX2(S)                                                                        \
+    if (head_dim % 8 == 0) {                                                                 \
+        for (int j = 0; j < m; j++) memset(outs[j], 0, sizeof(float) * (size_t)head_dim);    \
+        /* 16 positions at a time (a 16-token KV block is contiguous: its rows stay in L1    \
+         * while every tile passes over them), tiles of up to 8 queries, as even as can be */ \
+        const int tiles = (m + 7) / 8;                                                       \
+        const float *wt[m];                                                                  \
+        for (int t = 0; t < span; t += 16) {                                                 \
+            const int len = span - t < 16 ? span - t : 16;                                   \
+            for (int u = t + 16; u < t + 16 + len && u < span; u++) /* the next 16's rows */ \
+                for (int64_t b = 0; b < (int64_t)sizeof(*v) * head_dim; b += 64)          \
+                    __builtin_prefetch((const char *)(v + slots[u] * row) + b, 0, 3);        \
+            for (int j = 0; j < m; j++) wt[j] = w[j] + t;                                    \
+            for (int j = 0, tile = 0; tile < tiles; tile++) {                                \
+                const int W = (m - j + tiles - tile - 1) / (tiles - tile);                   \
+                v_tile_any_##S(W, v, slots + t, row, len, wt + j, outs + j, head_dim);       \
+                j += W;                                                                      \
+            }                                                                                \
+        }                                                                                    \
+        return;                                                                              \
+    }
+#define SUM_V_AVX2_f32 SUM_V_AVX2(f32)
+#define SUM_V_AVX2_bf16 SUM_V_AVX2(bf16)
+#else
+#define SUM_V_AVX2_f32
+#define SUM_V_AVX2_bf16
+#endif
+
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_KERNEL(paged_decode_attention_f32, float, LOAD_F32)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, LOAD_BF16)
+DEFINE_SUM_V(f32, float, LOAD_F32)
+DEFINE_SUM_V(bf16, uint16_t, LOAD_BF16)
+DEFINE_KERNEL(paged_decode_attention_f32, f32, float, LOAD_F32)
+DEFINE_KERNEL(paged_decode_attention_bf16, bf16, uint16_t, LOAD_BF16)
 
 void loom_set_num_threads(int n) { omp_set_num_threads(n); }
