@@ -545,7 +545,9 @@ def verify_proposals(logits: torch.Tensor, drafts: list[int], state: RequestSamp
         n, allowed = grammars.masks_along(matcher, drafts)
         drafts, logits = drafts[:n], logits[:n + 1]
     raw = logits.clone() if state.logprobs else logits
-    for j in range(len(logits)):  # (each row as the one-token step would process it)
+    adjusts = state.logit_bias_ids is not None or state.has_penalties or \
+        (state.stop_ids is not None and state.params.min_new_tokens > 0)
+    for j in range(len(logits) if adjusts else 0):  # (as the one-token step would)
         seen = replace(state, output_tokens=state.output_tokens + drafts[:j])
         process_logits(logits[j:j + 1], [seen])
     if matcher is not None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.sampler import argmax_rows
+
 
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                      draft_probs: torch.Tensor | None = None, *,
@@ -34,7 +36,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
     drafts = draft_tokens.tolist()
     if greedy:
-        best = target_probs.argmax(dim=-1).tolist()
+        best = argmax_rows(target_probs).tolist()  # (the one-token step's argmax)
         accepted = leading_matches(best, drafts)
         return torch.tensor(best[:accepted + 1], dtype=torch.long)
     # (A few tensor operations, then plain floats: this runs per request per step.)
