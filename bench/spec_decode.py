@@ -1,8 +1,9 @@
 """`python -m bench.spec_decode`: speculative decoding on a copy-heavy load at c=1.
 
 Chat requests that repeat, correct or edit a 300-600-token passage (prose, a code file) or
-extract fields from it as JSON, one at a time,
-greedy, on one server started with `--speculative-method` (ngram by default): each prompt is
+extract fields from it as JSON, and an agent's conversation (a tools list, earlier turns that
+called them with JSON arguments, their results; asked to call them again for other inputs),
+one at a time, greedy, on one server started with `--speculative-method` (ngram by default): each prompt is
 sent with speculation and with the `speculative_decoding: false` opt-out, alternately, so
 both are measured in the same run on the same warm server. Reports output tokens/s (median
 of the repeats) of each, the acceptance (from the usage extension), and the worker's mean
@@ -85,11 +86,61 @@ def passages() -> list[tuple[str, str]]:
              code)]
 
 
-def complete(client: httpx.Client, base_url: str, model: str, task: str, passage: str,
+TOOLS = """You are a coding agent working in a Python repository. You act by calling tools: \
+answer with tool calls only, one JSON object per line, {"tool": NAME, "arguments": {...}}.
+Tools:
+- read_file(path: string, start_line: integer, end_line: integer): the lines of a file.
+- search(query: string, path: string, max_results: integer): lines that contain the query, \
+as path:line: text."""
+
+
+def agent_turns() -> list[dict]:
+    """An agent's conversation (~600 tokens): the tools, a task it solved by calling them,
+    their results (this repository's own lines), then the same calls asked for four other
+    files: what the answer repeats is the earlier calls' JSON, with other arguments."""
+    def call(tool: str, **arguments) -> str:
+        return json.dumps({"tool": tool, "arguments": arguments})
+
+    def lines(path: str, start: int, end: int) -> str:
+        with open(os.path.join(ROOT, path)) as f:
+            return "".join(f.readlines()[start - 1:end])
+
+    path = "scheduler/block_manager.py"
+    with open(os.path.join(ROOT, path)) as f:
+        found = [f"{path}:{i}: {text.strip()}" for i, text in enumerate(f, 1)
+                 if "def " in text][:5]
+    others = ["scheduler/scheduler.py", "worker/kv_cache.py", "worker/model_runner.py",
+              "api_server/app.py"]
+    return [
+        {"role": "system", "content": TOOLS},
+        {"role": "user", "content": f"Where does {path} define its methods? Show the first."},
+        {"role": "assistant", "content": call("search", query="def ", path=path,
+                                              max_results=5)},
+        {"role": "user", "content": "Tool result:\n" + "\n".join(found)},
+        {"role": "assistant", "content": call("read_file", path=path, start_line=1,
+                                              end_line=12)},
+        {"role": "user", "content": "Tool result:\n" + lines(path, 1, 12)},
+        {"role": "assistant", "content": "It defines its methods on the lines listed; the "
+                                         "file begins with the lines shown."},
+        {"role": "user", "content": "Now do the same for each of these files, in this order: "
+                                    + ", ".join(others) + ". For each, call search for "
+                                    '"def " in it with max_results 5, then read_file of its '
+                                    "lines 1 to 12. Answer with the tool calls only."},
+    ]
+
+
+def workloads() -> list[tuple[str, list[dict]]]:
+    """(name, chat messages) of each task: the passages' and the agent's."""
+    tasks = [(task, [{"role": "user", "content": f"{task}\n\n{passage}"}])
+             for task, passage in passages()]
+    return tasks + [("Agent: call read_file and search again for four other files",
+                     agent_turns())]
+
+
+def complete(client: httpx.Client, base_url: str, model: str, messages: list[dict],
              max_tokens: int, speculate: bool) -> dict:
     body = {"model": model, "temperature": 0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": f"{task}\n\n{passage}"}],
-            "speculative_decoding": speculate}
+            "messages": messages, "speculative_decoding": speculate}
     started = time.perf_counter()
     r = client.post(f"{base_url}/v1/chat/completions", json=body)
     r.raise_for_status()
@@ -124,15 +175,16 @@ def mean_step_ms(before: dict, after: dict, step: str) -> float | None:
 def measure(base_url: str, model: str, repeats: int, max_tokens: int) -> dict:
     runs: dict[bool, list[dict]] = {True: [], False: []}
     with httpx.Client(trust_env=False, timeout=600) as client:
+        tasks = workloads()
         for speculate in (True, False):  # (warm: both paths, and the server's idle work)
-            complete(client, base_url, model, *passages()[1], 32, speculate)
+            complete(client, base_url, model, tasks[1][1], 32, speculate)
         step_ms = {True: {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]},
                    False: {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}}
         for _ in range(repeats):
-            for task, passage in passages():
+            for _, messages in tasks:
                 for speculate in (True, False):
                     before = forward_times(client, base_url)
-                    runs[speculate].append(complete(client, base_url, model, task, passage,
+                    runs[speculate].append(complete(client, base_url, model, messages,
                                                     max_tokens, speculate))
                     after = forward_times(client, base_url)
                     for kind in ("prefill", "decode"):
@@ -158,7 +210,7 @@ def measure(base_url: str, model: str, repeats: int, max_tokens: int) -> dict:
         }
     result["speedup"] = (result["speculative"]["tokens_per_s_median"]
                          / result["plain"]["tokens_per_s_median"])
-    tasks = [task for task, _ in passages()]
+    tasks = [task for task, _ in workloads()]
     result["by_task"] = []
     for i, task in enumerate(tasks):
         mine = {flag: runs[flag][i::len(tasks)] for flag in (True, False)}
@@ -170,6 +222,9 @@ def measure(base_url: str, model: str, repeats: int, max_tokens: int) -> dict:
             "task": task, "completion_tokens": [r["tokens"] for r in mine[True]],
             "speculative_tokens_per_s": rates[True], "plain_tokens_per_s": rates[False],
             "speedup": rates[True] / rates[False],
+            # round 1: the prompt never seen before; later rounds: the same prompt again
+            "speedup_by_round": [a["tokens"] / a["seconds"] / (b["tokens"] / b["seconds"])
+                                 for a, b in zip(mine[True], mine[False])],
             "acceptance_rate": accepted / draft if draft else None})
     return result
 
@@ -212,7 +267,8 @@ def main() -> None:
               f"({r['steps_one_token']:.0f} / {r['steps_multi_token']:.0f} steps)")
     for t in result["by_task"]:
         rate = t["acceptance_rate"]
-        print(f"{t['speedup']:5.2f}x  {t['speculative_tokens_per_s']:6.1f} / "
+        rounds = " / ".join(f"{x:.2f}x" for x in t["speedup_by_round"])
+        print(f"{t['speedup']:5.2f}x (by round {rounds})  {t['speculative_tokens_per_s']:6.1f} / "
               f"{t['plain_tokens_per_s']:6.1f} tokens/s, acceptance "
               f"{'-' if rate is None else f'{rate:.2f}'}, tokens {t['completion_tokens']}: "
               f"{t['task'][:50]}")
