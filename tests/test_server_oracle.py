@@ -48,16 +48,33 @@ async def complete(client, url, prompt):
     return c["text"], body["usage"]["completion_tokens"], c["finish_reason"]
 
 
-def check_all(url, oracle, concurrent):
+def complete_all(url, concurrent):
+    """(text, completion tokens, finish reason) of each prompt, sent together or in turn."""
     async def go():
         async with httpx.AsyncClient() as client:
             if concurrent:
                 return await asyncio.gather(*(complete(client, url, p) for p in PROMPTS))
             return [await complete(client, url, p) for p in PROMPTS]
 
-    results = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def check_all(url, oracle, concurrent):
+    check_results(complete_all(url, concurrent), oracle)
+
+
+def check_results(results, oracle):
     for p, got in zip(PROMPTS, results):
         assert got == oracle[p], p
+
+
+def sent_together_once(url):
+    """(the prompts' results, the preemptions meanwhile) of one concurrent batch: on a server
+    whose chunks are a few tokens and whose cache holds 8 blocks, the one batch is both
+    chunk-prefilled and preempted, so its chunked prefill and preemption tests share it."""
+    before = preemptions(url)
+    results = complete_all(url, concurrent=True)
+    return results, preemptions(url) - before
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +90,21 @@ def test_concurrent_requests_share_batches(server, oracle):
     check_all(server.url, oracle, concurrent=True)
 
 
-def test_chunked_prefill(chunked_server, oracle):
-    check_all(chunked_server.url, oracle, concurrent=True)
+@pytest.fixture(scope="module")
+def chunked_batch(chunked_server):
+    return sent_together_once(chunked_server.url)
 
 
-def test_preemption_under_a_small_kv_cache(chunked_server, oracle):
+def test_chunked_prefill(chunked_batch, oracle):
+    check_results(chunked_batch[0], oracle)
+
+
+def test_preemption_under_a_small_kv_cache(chunked_server, chunked_batch, oracle):
     # 8 requests of ~10-token prompts + 24 new tokens need ~270 tokens of KV at once; the cache
     # holds 8 blocks x 16 = 128 tokens, so requests are preempted and recomputed.
-    before = preemptions(chunked_server.url)
-    check_all(chunked_server.url, oracle, concurrent=True)
-    assert preemptions(chunked_server.url) > before
+    results, preempted = chunked_batch
+    check_results(results, oracle)
+    assert preempted > 0
     metrics = httpx.get(chunked_server.url + "/metrics").text
     usage = float(re.search(r"^loom:kv_cache_usage_perc\{.*\} (\S+)$", metrics, re.M).group(1))
     assert usage == 0.0

@@ -24,9 +24,9 @@ from tests.helpers import ROOT, hf_greedy, make_tiny_checkpoint, start_server, w
 from tests.test_operations import stream_until_end
 from tests.test_server_oracle import (  # noqa: F401 (oracle: a fixture)
     PROMPTS,
-    check_all,
+    check_results,
     oracle,
-    preemptions,
+    sent_together_once,
 )
 from tests.tp_child import sum_through_shared_memory
 from worker.tensor_parallel import (
@@ -180,12 +180,24 @@ def split_server(smollm2_dir):
     assert srv.stop() == 0
 
 
-def test_split_model_equals_transformers_alone_and_batched(split_server, oracle):  # noqa: F811
-    for prompt in PROMPTS[:3]:  # alone (a few: each step is two all-reduces a layer)
+@pytest.fixture(scope="module")
+def split_runs(split_server):
+    """A few prompts alone (each step is two all-reduces a layer), then all of them together,
+    once for the tests below: ({prompt: text alone}, (results together, preemptions))."""
+    alone = {}
+    for prompt in PROMPTS[:3]:
         r = httpx.post(split_server.url + "/v1/completions", json={
             "prompt": prompt, "max_tokens": 24, "temperature": 0}, timeout=120).json()
-        assert r["choices"][0]["text"] == oracle[prompt][0], prompt
-    check_all(split_server.url, oracle, concurrent=True)
+        alone[prompt] = r["choices"][0]["text"]
+    return alone, sent_together_once(split_server.url)
+
+
+def test_split_model_equals_transformers_alone_and_batched(split_server, split_runs,
+                                                           oracle):  # noqa: F811
+    alone, (together, _) = split_runs
+    for prompt, text in alone.items():
+        assert text == oracle[prompt][0], prompt
+    check_results(together, oracle)
     log = split_server.log()
     assert "worker rank 1 of 2" in log
     assert "all-reduce between the 2 ranks: shared memory" in log
@@ -202,10 +214,11 @@ def test_split_model_streams_to_the_openai_client(split_server, oracle):  # noqa
     assert "".join(c.choices[0].text for c in stream if c.choices) == oracle[prompt][0]
 
 
-def test_split_model_chunked_prefill_and_preemption(split_server, oracle):  # noqa: F811
-    before = preemptions(split_server.url)
-    check_all(split_server.url, oracle, concurrent=True)
-    assert preemptions(split_server.url) > before
+def test_split_model_chunked_prefill_and_preemption(split_server, split_runs,
+                                                   oracle):  # noqa: F811
+    results, preempted = split_runs[1]
+    check_results(results, oracle)
+    assert preempted > 0
     assert re.search(r"= 8 blocks x 16", split_server.log())
 
 
