@@ -1,8 +1,8 @@
 """`python -m bench.spec_decode`: speculative decoding on a copy-heavy load at c=1.
 
 Chat requests that repeat, correct or edit a 300-600-token passage (prose, a code file) or
-extract fields from it as JSON, and an agent's conversation (a tools list, earlier turns that
-called them with JSON arguments, their results; asked to call them again for other inputs),
+extract fields from it as JSON, and an agent's turn (a tools list, the calls it made with JSON
+arguments and their results; asked to make them again for another file),
 one at a time, greedy, on one server started with `--speculative-method` (ngram by default): each prompt is
 sent with speculation and with the `speculative_decoding: false` opt-out, alternately, so
 both are measured in the same run on the same warm server. Reports output tokens/s (median
@@ -95,37 +95,34 @@ as path:line: text."""
 
 
 def agent_turns() -> list[dict]:
-    """An agent's conversation (~600 tokens): the tools, a task it solved by calling them,
-    their results (this repository's own lines), then the same calls asked for four other
-    files: what the answer repeats is the earlier calls' JSON, with other arguments."""
+    """An agent's conversation (~700 tokens): the tools, the calls it made with their results
+    (this repository's own lines), then the same calls asked for another file: what the
+    answer repeats is the earlier calls' JSON with other arguments. (SmolLM2-135M answers a
+    multi-turn transcript's last question with a sentence, not calls: the transcript is
+    given in one message, as a log to redo.)"""
     def call(tool: str, **arguments) -> str:
         return json.dumps({"tool": tool, "arguments": arguments})
 
-    def lines(path: str, start: int, end: int) -> str:
-        with open(os.path.join(ROOT, path)) as f:
-            return "".join(f.readlines()[start - 1:end])
-
     path = "scheduler/block_manager.py"
     with open(os.path.join(ROOT, path)) as f:
-        found = [f"{path}:{i}: {text.strip()}" for i, text in enumerate(f, 1)
-                 if "def " in text][:5]
-    others = ["scheduler/scheduler.py", "worker/kv_cache.py", "worker/model_runner.py",
-              "api_server/app.py"]
+        source = f.readlines()
+    found = [f"{path}:{i}: {text.strip()}" for i, text in enumerate(source, 1)
+             if "def " in text][:5]
+    log = []
+    for start in (1, 13, 25):
+        log += [call("read_file", path=path, start_line=start, end_line=start + 11),
+                "Result:\n" + "".join(source[start - 1:start + 11]).rstrip()]
+    log = [call("search", query="def ", path=path, max_results=5),
+           "Result:\n" + "\n".join(found)] + log
+    calls = "\n".join(line for line in log if not line.startswith("Result:"))
+    other = "worker/kv_cache.py"
     return [
         {"role": "system", "content": TOOLS},
-        {"role": "user", "content": f"Where does {path} define its methods? Show the first."},
-        {"role": "assistant", "content": call("search", query="def ", path=path,
-                                              max_results=5)},
-        {"role": "user", "content": "Tool result:\n" + "\n".join(found)},
-        {"role": "assistant", "content": call("read_file", path=path, start_line=1,
-                                              end_line=12)},
-        {"role": "user", "content": "Tool result:\n" + lines(path, 1, 12)},
-        {"role": "assistant", "content": "It defines its methods on the lines listed; the "
-                                         "file begins with the lines shown."},
-        {"role": "user", "content": "Now do the same for each of these files, in this order: "
-                                    + ", ".join(others) + ". For each, call search for "
-                                    '"def " in it with max_results 5, then read_file of its '
-                                    "lines 1 to 12. Answer with the tool calls only."},
+        {"role": "user", "content": "Your tool calls so far, with their results:\n\n"
+                                    + "\n".join(log) + f"\n\nMake the same tool calls for "
+                                    f"{other} instead of {path}, in the same order, one per "
+                                    "line; change nothing else."
+                                    f"\n\nThe calls were:\n{calls}"},
     ]
 
 
@@ -133,7 +130,7 @@ def workloads() -> list[tuple[str, list[dict]]]:
     """(name, chat messages) of each task: the passages' and the agent's."""
     tasks = [(task, [{"role": "user", "content": f"{task}\n\n{passage}"}])
              for task, passage in passages()]
-    return tasks + [("Agent: call read_file and search again for four other files",
+    return tasks + [("Agent: the same tool calls (JSON) for another file",
                      agent_turns())]
 
 
