@@ -3,7 +3,8 @@ tiny_server (--enable-lora, --max-num-loras 3, --max-lora-rank 8): greedy tokens
 probabilities equal transformers + peft for each adapter alone and in a batch mixing the base
 model and three adapters (one prompt for all, so a prefix-cache block shared across adapters
 would show); a fourth adapter evicts the least recently used; in-use adapters are not
-unloaded; bad adapters get 400s and the server keeps serving."""
+unloaded; bad adapters get 400s and the server keeps serving. The same oracle on SmolLM2
+itself, served with two adapters given at start (its own server: the last test)."""
 
 import asyncio
 import json
@@ -85,27 +86,30 @@ def prompt_ids(tiny_model_dir):
                "share one batch.")["input_ids"]
 
 
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir, adapters, prompt_ids):
-    """name (None: the base) -> (greedy token ids, log_softmax rows of the steps) of
-    transformers + peft."""
+def peft_greedy(base_dir: str, adapter_dir: str | None, prompt_ids: list[int]):
+    """(greedy token ids, log_softmax rows of the steps) of transformers, with peft applying
+    the adapter at `adapter_dir` (None: the base alone)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    def run(name):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        if name is not None:
-            model = PeftModel.from_pretrained(model, adapters[name])
-        model.eval()
-        ids, rows = list(prompt_ids), []
-        with torch.no_grad():
-            for _ in range(MAX_TOKENS):
-                logits = model(torch.tensor([ids])).logits[0, -1].float()
-                rows.append(torch.log_softmax(logits, -1))
-                ids.append(int(rows[-1].argmax()))
-        return ids[len(prompt_ids):], rows
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    ids, rows = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            rows.append(torch.log_softmax(logits, -1))
+            ids.append(int(rows[-1].argmax()))
+    return ids[len(prompt_ids):], rows
 
-    return {name: run(name) for name in [None, *ADAPTERS]}
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model_dir, adapters, prompt_ids):
+    """name (None: the base) -> peft_greedy's answer."""
+    return {name: peft_greedy(tiny_model_dir, adapters.get(name), prompt_ids)
+            for name in [None, *ADAPTERS]}
 
 
 async def complete(client, url, model, prompt_ids):
@@ -343,3 +347,49 @@ def test_native_deltas_equal_pytorch_for_rows_of_mixed_adapters(dtype, rank):
     assert kernel.loom_lora_add(ctypes.byref(target.native), row_slots.data_ptr(), 23,
                                 x.data_ptr(), 40, y.data_ptr(), 45, 45, 40) == 0
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+# SmolLM2 itself (float32), two adapters of other ranks and targets given at start.
+SMOLLM2_ADAPTERS = {"wide": (8, 16, ADAPTERS["alpha"][2]),
+                    "attn": (4, 4, ["q_proj", "k_proj", "v_proj", "o_proj"])}
+
+
+@pytest.fixture(scope="module")
+def smollm2_lora(smollm2_dir, tmp_path_factory, one_thread):
+    """(server, {name: adapter dir}): SmolLM2 served with SMOLLM2_ADAPTERS (--lora-paths)."""
+    from tests.helpers import start_server
+
+    root = tmp_path_factory.mktemp("smollm2-lora")
+    dirs = {name: make_adapter(smollm2_dir, str(root / name), *spec, seed=20 + i)
+            for i, (name, spec) in enumerate(SMOLLM2_ADAPTERS.items())}
+    srv = start_server(smollm2_dir, "--enable-lora", "--max-lora-rank", "8", "--max-num-loras",
+                       "2", "--lora-paths", *(f"{n}={d}" for n, d in dirs.items()))
+    yield srv, dirs
+    assert srv.stop() == 0
+
+
+def test_smollm2_adapters_alone_and_mixed_with_the_base_match_peft(smollm2_lora, smollm2_dir):
+    """The issue's oracle on the default model: each adapter alone, then a batch mixing the
+    base and both adapters, greedy tokens and logprobs equal to transformers + peft."""
+    from transformers import AutoTokenizer
+
+    srv, dirs = smollm2_lora
+    ids = AutoTokenizer.from_pretrained(smollm2_dir)(
+        "Adapters change how a model answers: here is a short story about a lighthouse "
+        "keeper who")["input_ids"]
+    want = {name: peft_greedy(smollm2_dir, dirs.get(name), ids) for name in [None, *dirs]}
+    assert want["wide"][0] != want[None][0]  # (the adapter does change the answer)
+    model_name = next(card["id"] for card in httpx.get(srv.url + "/v1/models").json()["data"]
+                      if not card.get("parent"))
+    names = {model_name: None, "wide": "wide", "attn": "attn"}
+
+    async def go():
+        async with httpx.AsyncClient() as client:
+            alone = [await complete(client, srv.url, m, ids) for m in names]
+            mixed = await asyncio.gather(*(complete(client, srv.url, m, ids)
+                                           for m in list(names) * 2))
+            return alone, mixed
+
+    alone, mixed = asyncio.run(go())
+    for model, got in zip(list(names) + list(names) * 2, alone + mixed):
+        check(got, want[names[model]], model)
