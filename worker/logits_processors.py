@@ -12,6 +12,13 @@ import torch
 from worker.sampler import RequestSamplingState, describe
 
 
+def adjusts_logits(state: RequestSamplingState) -> bool:
+    """Whether `process_logits` may change this request's rows at any step (False: they can
+    be left out of it)."""
+    return state.logit_bias_ids is not None or state.has_penalties or \
+        (state.stop_ids is not None and state.params.min_new_tokens > 0)
+
+
 def process_logits(logits: torch.Tensor, states: list[RequestSamplingState],
                    failed: dict[int, str] | None = None) -> torch.Tensor:
     """Adjust `logits` [B, V] (float32) in place for the requests that asked for it. A row

@@ -43,7 +43,7 @@ from worker.device import (
     resolve_dtype,
 )
 from worker.fused_decode import FusedDecode
-from worker.logits_processors import process_logits
+from worker.logits_processors import adjusts_logits, process_logits
 from worker.logprobs import pack_logprobs, plan_echo, resolve_echo, token_logprobs
 from worker.lora import LoRASlots, adapter_dtype
 from worker.models.registry import model_class
@@ -545,9 +545,7 @@ def verify_proposals(logits: torch.Tensor, drafts: list[int], state: RequestSamp
         n, allowed = grammars.masks_along(matcher, drafts)
         drafts, logits = drafts[:n], logits[:n + 1]
     raw = logits.clone() if state.logprobs else logits
-    adjusts = state.logit_bias_ids is not None or state.has_penalties or \
-        (state.stop_ids is not None and state.params.min_new_tokens > 0)
-    for j in range(len(logits) if adjusts else 0):  # (as the one-token step would)
+    for j in range(len(logits) if adjusts_logits(state) else 0):  # (as the one-token step)
         seen = replace(state, output_tokens=state.output_tokens + drafts[:j])
         process_logits(logits[j:j + 1], [seen])
     if matcher is not None:
