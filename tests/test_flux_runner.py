@@ -95,3 +95,33 @@ def test_requests_started_at_different_steps_share_calls(flux):
     for req, ctx in zip(reqs, ctxs):
         np.testing.assert_allclose(images[ctx.request_id], oracle(pipe, req, ctx), atol=ATOL,
                                    rtol=0, err_msg=req.prompt)
+
+
+@pytest.mark.parametrize("guidance_embeds", [False, True])
+def test_flux_forward_matches_the_transformers_own_forward(guidance_embeds):
+    """FluxForward against FluxTransformer2DModel.forward on a random model with two blocks of
+    each kind (the runner's tiny FLUX has one of each: its single block is the last one, whose
+    text rows FluxForward skips), two samples at different timesteps and guidances."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from worker.pixels.flux_forward import FluxForward, rope_table
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        guidance_embeds=guidance_embeds, axes_dims_rope=(2, 2, 4)).eval()
+    latents, embeds, pooled = torch.randn(2, 24, 16), torch.randn(2, 40, 32), torch.randn(2, 32)
+    timestep = torch.tensor([0.9, 0.25])
+    guidance = torch.tensor([3.5, 1.0]) if guidance_embeds else None
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(6.0),
+                                         indexing="ij"), -1).reshape(-1, 3)
+    with torch.inference_mode():
+        expected = model(hidden_states=latents, timestep=timestep, guidance=guidance,
+                         pooled_projections=pooled, encoder_hidden_states=embeds,
+                         txt_ids=torch.zeros(40, 3), img_ids=img_ids, return_dict=False)[0]
+        ours = FluxForward(model)(latents, timestep, guidance, pooled, embeds,
+                                  rope_table(model, img_ids))
+    assert ours.shape == expected.shape
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
