@@ -14,6 +14,7 @@ on the same weights, computed with less work per step (on a CPU a step is comput
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -42,6 +43,21 @@ class _Request:
     predicted: torch.Tensor | None = None
 
 
+def _keep_position_bias(t5) -> None:
+    """T5 rebuilds its relative position bias (buckets, embedding lookup, a permuted copy) on
+    every call, two thirds of a 512-token encode on a CPU; it depends only on the lengths, so
+    the first layer's is kept (the same values, contiguous) for the lengths last seen."""
+    attn = t5.encoder.block[0].layer[0].SelfAttention
+    compute = attn.compute_bias
+
+    @functools.lru_cache(maxsize=2)
+    def bias(query_length, key_length, device=None, past_seen_tokens=0):
+        return compute(query_length, key_length, device=device,
+                       past_seen_tokens=past_seen_tokens).contiguous()
+
+    attn.compute_bias = bias
+
+
 class FluxRunner:
     def __init__(self, model_dir: str, device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
@@ -55,9 +71,11 @@ class FluxRunner:
         self.device, self.dtype = torch.device(device), dtype
         self.transformer = load(FluxTransformer2DModel, "transformer")
         self.forward = FluxForward(self.transformer)
-        self.vae = load(AutoencoderKL, "vae")
+        # Channels-last convolutions: a quarter less decode time on a CPU (oneDNN), same images.
+        self.vae = load(AutoencoderKL, "vae").to(memory_format=torch.channels_last)
         self.text_encoder = load(CLIPTextModel, "text_encoder")
         self.text_encoder_2 = load(T5EncoderModel, "text_encoder_2")
+        _keep_position_bias(self.text_encoder_2)
         with open(os.path.join(model_dir, "vae", "config.json")) as f:
             self.vae_scale_factor = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
         self.requests: dict[str, _Request] = {}
