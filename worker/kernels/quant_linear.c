@@ -572,6 +572,10 @@ typedef struct {
      * = 4 copies of each block's d, s4 [M][2 nb] = each pair's offset factors. */
     int pairs, qt;
     float *d8, *s4;
+    /* Interleaved weights (QL_X8): dx8 [M][8 nb] = 8 copies of each block's d and s8 [M][8 nb]
+     * of its s32, which the x8 tile's multiply-adds read as memory operands. */
+    int x8;
+    float *dx8, *s8;
 } ql_acts;
 
 static void ql_interleave_pairs(const ql_acts *a, int8_t *q, const float *d, const float *s32,
@@ -588,6 +592,14 @@ static void ql_quantize_row(const float *x, const ql_acts *a, const int64_t row)
         s32[b] = d[b] * (float)(sums[0] + sums[1]);
     }
     if (a->pairs) ql_interleave_pairs(a, q, d, s32, row);
+    if (a->x8) {
+        float *dx8 = a->dx8 + row * 8 * a->nb, *s8 = a->s8 + row * 8 * a->nb;
+        for (int64_t b = 0; b < a->nb; b++)
+            for (int i = 0; i < 8; i++) {
+                dx8[8 * b + i] = d[b];
+                s8[8 * b + i] = s32[b];
+            }
+    }
 }
 
 /* -- two blocks at a time (AVX2, 4- and 5-bit formats) ------------------------------------- */
@@ -1037,11 +1049,13 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
 }
 
 #if defined(QS_AVX2)
-/* Activation rows per x8 tile: the gblock's 8 unpacked quant vectors and 2 scale vectors
- * stay in registers for all of them. 4 was within 5% of 6 at 16-64 rows on the Xeon here and
- * fits AVX2's 16 registers. */
+/* Activation rows per x8 tile: the gblock is unpacked once for all of them (its 8 quant
+ * vectors and 2 scale vectors in registers). 6: a speculative verify step's rows (the last
+ * token and 5 proposals) are one tile, where 4 unpacked every gblock twice (4 + 2 rows); its
+ * accumulators spill past 4 rows, which costs less (1.1-1.15x faster projections and lm_head
+ * at 6 rows on the AVX2 EPYC here, the same at 1-4). */
 #ifndef LOOM_QUANT_X8_R
-#define LOOM_QUANT_X8_R 4
+#define LOOM_QUANT_X8_R 6
 #endif
 #define QL_X8_R LOOM_QUANT_X8_R
 #if defined(QS_VNNI)
@@ -1056,6 +1070,7 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
  * q + 128), Q4_1's m. */
 typedef struct {
     __m256i q[8];
+    const uint8_t *signs; /* Q8_0 without VNNI: q holds |quants|, their signs read from here */
     __m256 d, o;
     __m256 d1, o1; /* Q6_K: weights 16..31's own scale (the first 16's: d, o) */
 } ql_x8_block;
@@ -1228,13 +1243,13 @@ QS_INLINE __m256i ql_x8_dot(const int qt, const ql_x8_block *w, const int8_t *xq
     return _mm256_add_epi32(s0, s1);
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    if (qt == QL_Q8_0) { /* signed: the sign moves onto the activations (see dot_s) */
+    if (qt == QL_Q8_0) { /* signed: the sign moves onto the activations (see dot_s); w->q
+                          * holds |q| (ql_x8_tile), the signs are read from the gblock */
         __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            const __m256i x = ql_x8_word(xq, j);
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                _mm256_sign_epi8(w->q[j], w->q[j]), _mm256_sign_epi8(x, w->q[j])), ones));
+            const __m256i x = _mm256_sign_epi8(ql_x8_word(xq, j), q_load(w->signs + 32 * j));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w->q[j], x), ones));
         }
         return s;
     }
@@ -1269,7 +1284,14 @@ QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_
         const uint8_t *gb = g + b / sub * gbytes; /* (its super-block's group) */
         if (LOOM_QUANT_PF && b % sub == 0)
             for (int o = 0; o < gbytes; o += 64) __builtin_prefetch(gb + LOOM_QUANT_PF + o, 0, 3);
-        const ql_x8_block w = ql_x8_decode(qt, gb, (int)(b % sub));
+        ql_x8_block w = ql_x8_decode(qt, gb, (int)(b % sub));
+#if !defined(QS_VNNI)
+        if (qt == QL_Q8_0) { /* |q| once for all rows; ql_x8_dot moves the signs onto x */
+            w.signs = gb + ql_x8_scale_bytes(qt);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) w.q[j] = _mm256_abs_epi8(w.q[j]);
+        }
+#endif
         if (qt == QL_Q6_K) { /* two scales a block: its halves summed apart */
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
@@ -1290,11 +1312,10 @@ QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_
         for (int r = 0; r < R; r++) {
             const int64_t row = r0 + r;
             const __m256i s = ql_x8_dot(qt, &w, a->q + row * a->K + 32 * b);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                     _mm256_mul_ps(w.d, _mm256_broadcast_ss(a->d + row * nb + b)),
+            const float *dx = a->dx8 + (row * nb + b) * 8, *sx = a->s8 + (row * nb + b) * 8;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.d, _mm256_loadu_ps(dx)),
                                      acc[r]);
-            if (has_o)
-                acc[r] = _mm256_fmadd_ps(w.o, _mm256_broadcast_ss(a->s32 + row * nb + b), acc[r]);
+            if (has_o) acc[r] = _mm256_fmadd_ps(w.o, _mm256_loadu_ps(sx), acc[r]);
         }
     }
 #pragma GCC unroll 8
@@ -1329,7 +1350,19 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
             QL_X8_CASE(4)
 #endif
 #if QL_X8_R > 4
-#error "LOOM_QUANT_X8_R above 4: add cases"
+            QL_X8_CASE(5)
+#endif
+#if QL_X8_R > 5
+            QL_X8_CASE(6)
+#endif
+#if QL_X8_R > 6
+            QL_X8_CASE(7)
+#endif
+#if QL_X8_R > 7
+            QL_X8_CASE(8)
+#endif
+#if QL_X8_R > 8
+#error "LOOM_QUANT_X8_R above 8: add cases"
 #endif
             }
         }
@@ -1561,7 +1594,7 @@ int loom_quant_isa(void) {
 /* Scratch bytes the integer path needs for M rows of K activations. */
 static size_t ql_acts_bytes(const int M, const int K) {
     const size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
-    return qbytes + sizeof(float) * (size_t)M * 10 * (K / 32);
+    return qbytes + sizeof(float) * (size_t)M * 20 * (K / 32);
 }
 
 /* The integer path's work, shared by the team of threads running it: orphaned worksharing
@@ -1579,7 +1612,8 @@ static void ql_linear_team(int qtype, const float *x, int64_t ldx, const uint8_t
     float *f = (float *)(mem + qbytes);
     const ql_acts a = {.q = (int8_t *)mem, .d = f, .s32 = f + M * nb, .s16 = f + 2 * M * nb,
                        .K = K, .nb = nb, .pairs = !x8 && ql_pairs(qt), .qt = qt,
-                       .d8 = f + 4 * M * nb, .s4 = f + 8 * M * nb};
+                       .d8 = f + 4 * M * nb, .s4 = f + 8 * M * nb,
+                       .x8 = x8 != 0, .dx8 = f + 4 * M * nb, .s8 = f + 12 * M * nb};
     const int width = x8 ? 8 : QL_C; /* weight rows a tile covers */
     const int tiles = (N + width - 1) / width;
     const int tiles_per_run = tiles / (threads * 8) > 1 ? tiles / (threads * 8) : 1;
