@@ -12,7 +12,7 @@
  * Rows of one sequence at consecutive positions (the proposals a speculative verify step
  * checks, each a row over the same blocks: worker/model_runner.py, rows_as_decodes) are one
  * task: each kv head's K vector is scored against that group's query heads of every row at
- * once, and each 8 values of a V row are added into up to 8 of those queries' sums held in
+ * once, and each 8 values of a V row are added into up to 6 of those queries' sums held in
  * registers (a task per row read the sequence's K/V from the caches once per row, and a
  * 6-row verify step's attention cost 3x a one-token step's). A row's arithmetic is the same
  * code alone and among others (each score one chain of FMAs over the head's 8-lane chunks,
@@ -115,7 +115,9 @@ static void score_tile_any(int W, int tokens, const float *const *k, const float
 
 /* V_TILE_##S: out[j][0 .. 8 C) += sum over t < span of w[j][t] v_t[0 .. 8 C), in order of t,
  * for W queries (W, C constants where inlined), v_t = v + slots[t] * row: W x C chains of
- * FMAs in registers (8 or so: fewer wait on the FMA's latency). */
+ * FMAs in registers (8 to 12: fewer wait on the FMA's latency; a verify step's 6 rows x 3
+ * queries of a kv head as 3 tiles of 6 x 2 chunks, where 8 x 1 and 6 x 1 chains made its V
+ * sums 1.3x slower). */
 #if defined(ATTN_AVX2)
 ATTN_INLINE __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 ATTN_INLINE __m256 load8_bf16(const uint16_t *p) {
@@ -145,15 +147,17 @@ ATTN_INLINE void v_tile_##S(const int W, const int C, const T *v, const int64_t 
 static void v_tile_any_##S(int W, const T *v, const int64_t *slots, int64_t row, int span,   \
                            const float *const *w, float *const *out, int head_dim) {         \
     float *o[8];                                                                             \
-    const int width = W == 1 ? 64 : W == 2 ? 32 : 16; /* (8 C values) */                     \
+    const int width = W == 1 ? 64 : W <= 3 ? 32 : 16; /* (8 C values) */                     \
     int d = 0;                                                                               \
-    for (; W <= 4 && d + width <= head_dim; d += width) {                                    \
+    for (; W <= 6 && d + width <= head_dim; d += width) {                                    \
         for (int j = 0; j < W; j++) o[j] = out[j] + d;                                       \
         switch (W) {                                                                         \
         case 1: v_tile_##S(1, 8, v + d, slots, row, span, w, o); break;                      \
         case 2: v_tile_##S(2, 4, v + d, slots, row, span, w, o); break;                      \
-        case 3: v_tile_##S(3, 2, v + d, slots, row, span, w, o); break;                      \
-        default: v_tile_##S(4, 2, v + d, slots, row, span, w, o); break;                     \
+        case 3: v_tile_##S(3, 4, v + d, slots, row, span, w, o); break;                      \
+        case 4: v_tile_##S(4, 2, v + d, slots, row, span, w, o); break;                      \
+        case 5: v_tile_##S(5, 2, v + d, slots, row, span, w, o); break;                      \
+        default: v_tile_##S(6, 2, v + d, slots, row, span, w, o); break;                     \
         }                                                                                    \
     }                                                                                        \
     for (; d < head_dim; d += 8) {                                                           \
@@ -350,8 +354,8 @@ static void SUM_V_##S(const T *v, const int64_t *slots, int64_t row, int span,  
     if (head_dim % 8 == 0) {                                                                 \
         for (int j = 0; j < m; j++) memset(outs[j], 0, sizeof(float) * (size_t)head_dim);    \
         /* 16 positions at a time (a 16-token KV block is contiguous: its rows stay in L1    \
-         * while every tile passes over them), tiles of up to 8 queries, as even as can be */ \
-        const int tiles = (m + 7) / 8;                                                       \
+         * while every tile passes over them), tiles of up to 6 queries, as even as can be */ \
+        const int tiles = (m + 5) / 6;                                                       \
         const float *wt[m];                                                                  \
         for (int t = 0; t < span; t += 16) {                                                 \
             const int len = span - t < 16 ? span - t : 16;                                   \
