@@ -205,11 +205,9 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                 float *xt = x + (int64_t)t * hidden, *rt = residual + (int64_t)t * hidden;
                 if (i == 0) {
                     memcpy(rt, xt, sizeof(float) * (size_t)hidden);
-                    loom_rms_norm(xt, hidden, L->input_norm, h + (int64_t)t * hidden, 1, hidden,
-                                  d->eps);
+                    norm_row(xt, L->input_norm, h + (int64_t)t * hidden, hidden, d->eps);
                 } else {
-                    loom_add_rms_norm(rt, xt, L->input_norm, h + (int64_t)t * hidden, 1, hidden,
-                                      d->eps);
+                    add_norm_row(rt, xt, L->input_norm, h + (int64_t)t * hidden, hidden, d->eps);
                 }
             }
             PROFILE_MARK(PART_NORM);
@@ -230,13 +228,13 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                                       head_dim, d->eps);
                 }
                 if (bf16)
-                    loom_rope_store_kv_bf16(row, 1, d->heads, d->kv_heads, head_dim,
-                                            positions + t, L->cos_table, L->sin_table,
-                                            L->k_cache, L->v_cache, slots + t);
+                    loom_rope_store_kv_bf16_row(row, d->heads, d->kv_heads, head_dim,
+                                                positions[t], L->cos_table, L->sin_table,
+                                                L->k_cache, L->v_cache, slots[t]);
                 else
-                    loom_rope_store_kv(row, 1, d->heads, d->kv_heads, head_dim, positions + t,
-                                       L->cos_table, L->sin_table, L->k_cache, L->v_cache,
-                                       slots + t);
+                    loom_rope_store_kv_row(row, d->heads, d->kv_heads, head_dim, positions[t],
+                                           L->cos_table, L->sin_table, L->k_cache, L->v_cache,
+                                           slots[t]);
                 memcpy(q + (int64_t)t * q_size, row, sizeof(float) * q_size);
             }
             PROFILE_MARK(PART_ROPE_KV);
@@ -262,8 +260,8 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
                     norm_row(xt, L->attn_out_norm, ht, hidden, d->eps);
                     delta = ht;
                 }
-                loom_add_rms_norm(residual + (int64_t)t * hidden, delta, L->mlp_norm, ht, 1,
-                                  hidden, d->eps);
+                add_norm_row(residual + (int64_t)t * hidden, delta, L->mlp_norm, ht, hidden,
+                             d->eps);
             }
             PROFILE_MARK(PART_POST_ATTN_NORM);
             linear(&L->gate_up, h, hidden, gate_up, 2 * inter, T, 2 * inter, hidden, mem,
@@ -273,11 +271,11 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 if (d->act == ACT_GELU_TANH)
-                    loom_gelu_tanh_mul(gate_up + (int64_t)t * 2 * inter,
-                                       act + (int64_t)t * inter, 1, inter);
+                    gelu_tanh_mul_row(gate_up + (int64_t)t * 2 * inter,
+                                      act + (int64_t)t * inter, inter);
                 else
-                    loom_silu_mul(gate_up + (int64_t)t * 2 * inter, act + (int64_t)t * inter, 1,
-                                  inter);
+                    silu_mul_row(gate_up + (int64_t)t * 2 * inter, act + (int64_t)t * inter,
+                                 inter);
             }
             PROFILE_MARK(PART_ACT);
             linear(&L->down, act, inter, x, hidden, T, hidden, inter, mem, threads, &failed);
@@ -294,8 +292,7 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 float *xt = x + (int64_t)t * hidden, *ht = h + (int64_t)t * hidden;
-                loom_add_rms_norm(residual + (int64_t)t * hidden, xt, final_norm, ht, 1, hidden,
-                                  d->eps);
+                add_norm_row(residual + (int64_t)t * hidden, xt, final_norm, ht, hidden, d->eps);
                 memcpy(xt, ht, sizeof(float) * (size_t)hidden);
             }
         }
