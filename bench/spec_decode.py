@@ -163,8 +163,11 @@ def complete(client: httpx.Client, base_url: str, model: str, messages: list[dic
 
 
 def decode_rate(run: dict) -> float:
-    """Tokens per second after the first one (the decode speed a reader of a stream sees)."""
-    return (run["tokens"] - 1) / run["decode_seconds"] if run["decode_seconds"] > 0 else 0.0
+    """Tokens per second after the first one (the decode speed a reader of a stream sees;
+    NaN for an answer of one token, which has no decode to time)."""
+    if run["tokens"] < 2 or run["decode_seconds"] <= 0:
+        return float("nan")
+    return (run["tokens"] - 1) / run["decode_seconds"]
 
 
 def forward_times(client: httpx.Client, base_url: str) -> dict[str, tuple[float, float]]:
