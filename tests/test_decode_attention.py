@@ -65,3 +65,35 @@ def test_rows_of_one_sequence_equal_each_row_alone(dtype):
         assert torch.equal(together[i], alone[0]), i
     want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(together, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler: the PyTorch fallback is used")
+def test_one_sequence_split_over_threads_equals_one_thread():
+    """One user's attention is split by chunks of positions over the threads (flash-decoding):
+    its numbers must be those of one thread, and of its row among others, over contexts of
+    many chunks, ending inside and at the end of a chunk and of a block."""
+    from worker.decode_attention import set_kernel_threads
+
+    torch.manual_seed(1)
+    num_blocks, block_size, kv_heads, heads, dim = 200, 16, 3, 9, 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    seq_lens = torch.tensor([700, 64, 129, 1], dtype=torch.int32)
+    tables = torch.randperm(num_blocks)[:4 * 44].reshape(4, 44).to(torch.int32)
+    q = torch.randn(len(seq_lens), heads, dim)
+    rows = [(q[i:i + 1].contiguous(), tables[i:i + 1].contiguous(), seq_lens[i:i + 1])
+            for i in range(len(seq_lens))]
+    try:
+        set_kernel_threads(1)
+        one = [paged_decode_attention(*r[:1], k_cache, v_cache, *r[1:], 0.125) for r in rows]
+        set_kernel_threads(2)
+        two = [paged_decode_attention(*r[:1], k_cache, v_cache, *r[1:], 0.125) for r in rows]
+        together = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    finally:
+        set_kernel_threads(torch.get_num_threads())
+    for i in range(len(seq_lens)):
+        assert torch.equal(one[i], two[i]), i
+        assert torch.equal(one[i][0], together[i]), i
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)

@@ -2,12 +2,12 @@
  *
  * The portable path gathers every sequence's blocks into a padded tensor first; at batch 32
  * and 300-token contexts that copy moves ~450 MB per step on a machine with ~10 GB/s, more
- * than the weights. Here each sequence is one task that walks its block table directly:
- * pass 1 computes every head's scores (K read once, whole rows: all kv heads at a time; a task
- * per (sequence, kv head) read 1/num_kv_heads of each row and was ~20 % slower at batch 16 x
- * 260 tokens), pass 2 accumulates V with the softmax weights, 16 positions at a time (their
- * rows stay in L1 while each kv head's sums pass over them). Batches smaller than the thread
- * count still split by kv head so every thread has work.
+ * than the weights. Here each task walks a sequence's block table directly, a chunk of
+ * positions at a time (see CHUNK_POSITIONS): the chunk's scores for every head (K read once,
+ * whole rows: all kv heads at a time; a task per (sequence, kv head) read 1/num_kv_heads of
+ * each row and was ~20 % slower at batch 16 x 260 tokens), then its V rows accumulated with
+ * the weights, 16 positions at a time (their rows stay in L1 while each kv head's sums pass
+ * over them).
  *
  * Rows of one sequence at consecutive positions (the proposals a speculative verify step
  * checks, each a row over the same blocks: worker/model_runner.py, rows_as_decodes) are one
@@ -17,8 +17,8 @@
  * 6-row verify step's attention cost 3x a one-token step's). A row's arithmetic is the same
  * code alone and among others (each score one chain of FMAs over the head's 8-lane chunks,
  * then its lanes summed in a fixed tree; each output value summed over the tokens in order,
- * a token past the row's end adding an exact 0 * v), so its numbers do not depend on its
- * company: greedy output is the same with and without speculation.
+ * a token past the row's end adding an exact 0 * v; the same chunks), so its numbers do not
+ * depend on its company: greedy output is the same with and without speculation.
  *
  * Layout (row-major):
  *   q            [num_seqs, num_heads, head_dim] (float32)
@@ -210,141 +210,272 @@ DEFINE_V_TILE(f32, float, load8_f32)
 DEFINE_V_TILE(bf16, uint16_t, load8_bf16)
 #endif
 
+/* Each row's attention is computed over fixed chunks of positions (CHUNK_POSITIONS, rounded
+ * up to whole KV blocks, aligned to position 0): per chunk and query head, the scores' max m,
+ * the sum s of exp(score - m) and the sum of exp(score - m) v; then the chunks are combined in
+ * order (flash-decoding's split). A chunk is a task of its own when the batch has fewer runs
+ * than threads (one user: both threads stream their halves of the K/V, whole rows of every kv
+ * head, where a task per query head read a third of each row, each kv head's rows once per
+ * query head, and 2 threads were no faster than 1: 1.9 ms a step at 256 tokens for SmolLM2);
+ * otherwise a run's chunks are done in turn by one task. The chunks are the same either way
+ * and each row's arithmetic is its own (a row's positions in a chunk start where they start
+ * alone, positions outside them weigh an exact 0), so a row's numbers depend neither on its
+ * company nor on the thread count. */
+#define CHUNK_POSITIONS 64
+
+static int chunk_size(int block_size) {
+    return (CHUNK_POSITIONS + block_size - 1) / block_size * block_size;
+}
+
+/* The chunk partials of one row's query head: m, s, then head_dim sums. */
+static inline float *partial_at(float *partials, int64_t query, int chunks, int c, int head_dim) {
+    return partials + (query * chunks + c) * (int64_t)(head_dim + 2);
+}
+
+/* out[0 .. head_dim) = the row's attention from its chunks' partials, in chunk order; a chunk
+ * with none of the row's positions (s = 0) is skipped. */
+static void combine_chunks(const float *first, int chunks, int head_dim, float *out) {
+    float mx = -FLT_MAX;
+    for (int c = 0; c < chunks; c++) {
+        const float *p = first + (int64_t)c * (head_dim + 2);
+        if (p[1] > 0.f && p[0] > mx) mx = p[0];
+    }
+    float den = 0.f;
+    memset(out, 0, sizeof(float) * (size_t)head_dim);
+    for (int c = 0; c < chunks; c++) {
+        const float *p = first + (int64_t)c * (head_dim + 2);
+        if (!(p[1] > 0.f)) continue;
+        const float a = expf(p[0] - mx);
+        den += a * p[1];
+        for (int d = 0; d < head_dim; d++) out[d] += a * p[2 + d];
+    }
+    const float inv = 1.f / den;
+    for (int d = 0; d < head_dim; d++) out[d] *= inv;
+}
+
+/* A run: rows r0 .. r0 + n of one sequence's block table, row i attending to positions
+ * first[i] .. end[i] (both grow with i). */
+typedef struct {
+    int r0, n, lo, hi, c0, chunks; /* positions lo .. hi; chunks c0 .. c0 + chunks */
+} AttnRun;
+
+static AttnRun attn_run(const int32_t *seq_lens, int r0, int n, int window, int chunk) {
+    AttnRun run = {r0, n, 0, seq_lens[r0 + n - 1], 0, 0};
+    const int e0 = seq_lens[r0];
+    run.lo = window > 0 && e0 > window ? e0 - window : 0;
+    run.c0 = run.lo / chunk;
+    run.chunks = (run.hi - 1) / chunk - run.c0 + 1;
+    return run;
+}
+
+/* A task's working memory, for chunks of up to `chunk` positions of a run of nq queries
+ * (rows x heads): one allocation. qf holds the run's queries times the softmax scale. */
+typedef struct {
+    int64_t *slots;
+    const float **qs;
+    float **outs;
+    float *scores, *qf, *kf;
+} AttnScratch;
+
+static int scratch_alloc(AttnScratch *s, int nq, int chunk, int head_dim) {
+    const size_t floats = (size_t)nq * chunk + (size_t)nq * head_dim + 8 * (size_t)head_dim;
+    char *mem = malloc(sizeof(int64_t) * (size_t)chunk + 2 * sizeof(float *) * (size_t)nq +
+                       sizeof(float) * floats);
+    if (!mem) return -1;
+    s->slots = (int64_t *)mem;
+    s->qs = (const float **)(s->slots + chunk);
+    s->outs = (float **)(s->qs + nq);
+    s->scores = (float *)(s->outs + nq);
+    s->qf = s->scores + (size_t)nq * chunk;
+    s->kf = s->qf + (size_t)nq * head_dim;
+    return 0;
+}
+
+static void scale_queries(const float *q, const AttnRun *run, int num_heads, int head_dim,
+                          float scale, float *qf) {
+    const int64_t size = (int64_t)run->n * num_heads * head_dim;
+    const float *src = q + (int64_t)run->r0 * num_heads * head_dim;
+    for (int64_t j = 0; j < size; j++) qf[j] = src[j] * scale;
+}
+
+/* NAME##_chunk: the partials of chunk c of `run` for every row and query head, into
+ * partial_at(partials, i * num_heads + h, run->chunks, c - run->c0, head_dim). */
+#define DEFINE_CHUNK(NAME, S, T)                                                             \
+static void NAME##_chunk(const T *k_cache, const T *v_cache, const int32_t *table,          \
+                         const int32_t *seq_lens, const AttnRun *run, int c, int chunk,      \
+                         int num_heads, int num_kv_heads, int head_dim, int block_size,      \
+                         int window, const AttnScratch *scratch, float *partials) {          \
+    const int group = num_heads / num_kv_heads, n = run->n;                                  \
+    const int64_t row = (int64_t)num_kv_heads * head_dim;                                    \
+    const int cs = c * chunk > run->lo ? c * chunk : run->lo;                                \
+    const int ce = (c + 1) * chunk < run->hi ? (c + 1) * chunk : run->hi;                    \
+    const int span = ce - cs;                                                                \
+    float *scores = scratch->scores, *kf = scratch->kf;                                      \
+    const float *qf = scratch->qf;                                                           \
+    int64_t *slots = scratch->slots;                                                         \
+    const float **qs = scratch->qs;                                                          \
+    float **outs = scratch->outs;                                                            \
+    for (int p = cs; p < ce;) { /* (block by block: no division per position) */            \
+        const int b = p / block_size;                                                        \
+        const int upto = (b + 1) * block_size < ce ? (b + 1) * block_size : ce;             \
+        const int64_t base = (int64_t)table[b] * block_size - (int64_t)b * block_size;       \
+        for (; p < upto; p++) slots[p - cs] = base + p;                                      \
+    }                                                                                        \
+    /* scores: whole K rows (every kv head) of 8 positions at a time, each kv head's vector  \
+     * against each of its query heads of every row; the next 8 rows prefetched */           \
+    for (int t = 0; t < span; t += 8) {                                                      \
+        const int tokens = span - t < 8 ? span - t : 8;                                      \
+        for (int u = t + 8; u < t + 16 && u < span; u++)                                     \
+            for (int64_t b = 0; b < row * (int64_t)sizeof(T); b += 64)                       \
+                __builtin_prefetch((const char *)(k_cache + slots[u] * row) + b, 0, 3);      \
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                       \
+            const float *k[8];                                                               \
+            for (int u = 0; u < tokens; u++)                                                 \
+                k[u] = WIDEN_##S(k_cache + slots[t + u] * row + (int64_t)kvh * head_dim,     \
+                                 kf + u * head_dim, head_dim);                               \
+            int m = 0;                                                                       \
+            for (int i = 0; i < n; i++)                                                      \
+                for (int h = kvh * group; h < (kvh + 1) * group; h++) {                      \
+                    qs[m] = qf + ((int64_t)i * num_heads + h) * head_dim;                    \
+                    outs[m++] = scores + ((int64_t)i * num_heads + h) * span + t;            \
+                }                                                                            \
+            if (tokens == 8 && m > 4) {                                                      \
+                for (int j = 0; j < m; j++) score_tile8(k, qs[j], outs[j], head_dim);         \
+                continue;                                                                    \
+            }                                                                                \
+            for (int u = 0; u < tokens; u += 2) {                                            \
+                float *o[m];                                                                 \
+                for (int j = 0; j < m; j++) o[j] = outs[j] + u;                              \
+                for (int j = 0; j < m; j += 4)                                               \
+                    score_tile_any(m - j < 4 ? m - j : 4, tokens - u < 2 ? 1 : 2, k + u,     \
+                                   qs + j, o + j, head_dim);                                 \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    /* weights exp(score - m) over each row's own positions of the chunk (from where they   \
+     * start, as alone), an exact 0 elsewhere */                                             \
+    for (int i = 0; i < n; i++) {                                                            \
+        const int e = seq_lens[run->r0 + i], f = window > 0 && e > window ? e - window : 0;   \
+        const int a = f <= cs ? 0 : f >= ce ? span : f - cs;                                 \
+        const int z = e >= ce ? span : e - cs <= a ? a : e - cs;                             \
+        for (int h = 0; h < num_heads; h++) {                                                \
+            float *sc = scores + ((int64_t)i * num_heads + h) * span;                        \
+            float *p = partial_at(partials, (int64_t)i * num_heads + h, run->chunks,         \
+                                  c - run->c0, head_dim);                                    \
+            float m = -FLT_MAX, sum = 0.f;                                                   \
+            for (int t = a; t < z; t++) m = sc[t] > m ? sc[t] : m;                           \
+            for (int t = a; t < z; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }           \
+            if (a > 0) memset(sc, 0, sizeof(float) * (size_t)a);                             \
+            memset(sc + z, 0, sizeof(float) * (size_t)(span - z));                           \
+            p[0] = m;                                                                        \
+            p[1] = sum;                                                                      \
+        }                                                                                    \
+    }                                                                                        \
+    /* the sums of w v: each kv head's V values 8 at a time into up to 8 queries' sums */    \
+    for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                           \
+        int m = 0;                                                                           \
+        for (int i = 0; i < n; i++)                                                          \
+            for (int h = kvh * group; h < (kvh + 1) * group; h++) {                          \
+                qs[m] = scores + ((int64_t)i * num_heads + h) * span;                        \
+                outs[m++] = partial_at(partials, (int64_t)i * num_heads + h, run->chunks,    \
+                                       c - run->c0, head_dim) + 2;                           \
+            }                                                                                \
+        SUM_V_##S(v_cache + (int64_t)kvh * head_dim, slots, row, span, qs, outs, m, head_dim); \
+    }                                                                                        \
+}
+
 /* NAME##_team: the work for a team of threads already running (orphaned worksharing, for
  * decoder.c's one parallel region per step); a failed allocation sets *failed. Ends with the
- * team's barrier. NAME runs it in a region of its own.
- * A task: rows r0 .. r0 + n of one run, query heads h0 .. h0 + nh. Row i attends to
- * positions first[i] .. end[i] (both grow with i); scores[i][h][p - lo] over all the run's
- * positions lo .. lo + span, 0 outside the row's own after the softmax. */
-#define DEFINE_KERNEL(NAME, S, T, LOAD)                                                      \
+ * team's barrier. NAME runs it in a region of its own. */
+#define DEFINE_KERNEL(NAME, S, T)                                                            \
+DEFINE_CHUNK(NAME, S, T)                                                                     \
 static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,                   \
                         const int32_t *block_tables, const int32_t *seq_lens, float *out,    \
                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,         \
                         int block_size, int max_blocks, int window, float scale,             \
                         int threads, int *failed_out) {                                      \
-    const int group = num_heads / num_kv_heads;                                              \
-    const int64_t row = (int64_t)num_kv_heads * head_dim;                                    \
+    const int chunk = chunk_size(block_size);                                                \
+    const int64_t stride = head_dim + 2;                                                     \
     int run_start[num_seqs + 1], runs = 0; /* (each thread its own copy: a few ints) */      \
     for (int s = 0; s < num_seqs; s++)                                                       \
         if (s == 0 || !same_run(block_tables, seq_lens, max_blocks, s - 1))                  \
             run_start[runs++] = s;                                                           \
     run_start[runs] = num_seqs;                                                              \
-    /* Fewer runs than threads (small batches): split each by query head instead (9 tasks   \
-     * for SmolLM2's 3 kv heads keep 2 threads busy where 3 tasks left one idle a third of  \
-     * the time; each task reads its kv head's rows, from cache after the first). */         \
-    const int splits = runs < threads ? num_heads : 1;                                       \
-    const int nh = num_heads / splits;                                                       \
     int failed = 0;                                                                          \
-    _Pragma("omp for schedule(dynamic, 1)")                                                  \
-    for (int task = 0; task < runs * splits; task++) {                                       \
-        const int r0 = run_start[task / splits], n = run_start[task / splits + 1] - r0;      \
-        const int h0 = (task % splits) * nh;                                                 \
-        const int32_t *table = block_tables + (int64_t)r0 * max_blocks;                      \
-        int first[n], end[n];                                                                \
-        for (int i = 0; i < n; i++) {                                                        \
-            end[i] = seq_lens[r0 + i];                                                       \
-            first[i] = window > 0 && end[i] > window ? end[i] - window : 0;                  \
+    if (runs >= threads) { /* a task per run, its chunks in turn */                          \
+        _Pragma("omp for schedule(dynamic, 1)")                                              \
+        for (int r = 0; r < runs; r++) {                                                     \
+            const AttnRun run = attn_run(seq_lens, run_start[r], run_start[r + 1] - run_start[r], \
+                                         window, chunk);                                     \
+            const int nq = run.n * num_heads;                                                \
+            float *partials = malloc(sizeof(float) * (size_t)nq * run.chunks * stride);      \
+            AttnScratch scratch;                                                             \
+            if (!partials || scratch_alloc(&scratch, nq, chunk, head_dim) != 0) {            \
+                free(partials);                                                              \
+                _Pragma("omp atomic write")                                                  \
+                failed = 1;                                                                  \
+                continue;                                                                    \
+            }                                                                                \
+            scale_queries(q, &run, num_heads, head_dim, scale, scratch.qf);                  \
+            for (int c = run.c0; c < run.c0 + run.chunks; c++)                               \
+                NAME##_chunk(k_cache, v_cache, block_tables + (int64_t)run.r0 * max_blocks,  \
+                             seq_lens, &run, c, chunk, num_heads, num_kv_heads, head_dim,    \
+                             block_size, window, &scratch, partials);                        \
+            for (int j = 0; j < nq; j++)                                                     \
+                combine_chunks(partial_at(partials, j, run.chunks, 0, head_dim), run.chunks, \
+                               head_dim, out + ((int64_t)run.r0 * num_heads + j) * head_dim); \
+            free(scratch.slots);                                                             \
+            free(partials);                                                                  \
         }                                                                                    \
-        const int lo = first[0], span = end[n - 1] - lo;                                     \
-        const int nq = n * nh;                                                               \
-        float *scores = malloc(sizeof(float) * (size_t)nq * (size_t)span);                  \
-        float *qf = malloc(sizeof(float) * (size_t)nq * (size_t)head_dim);                   \
-        float *kf = malloc(sizeof(float) * 8 * (size_t)head_dim);                            \
-        int64_t *slots = malloc(sizeof(int64_t) * (size_t)span);                             \
-        const float **qs = malloc(sizeof(float *) * (size_t)nq);                             \
-        float **outs = malloc(sizeof(float *) * (size_t)nq);                                 \
-        if (!scores || !qf || !kf || !slots || !qs || !outs) { /* (no break out of an       \
-                                                                 * OpenMP loop) */           \
-            free(scores);                                                                    \
-            free(qf);                                                                        \
-            free(kf);                                                                        \
-            free(slots);                                                                     \
-            free(qs);                                                                        \
-            free(outs);                                                                      \
+    } else { /* a task per chunk of every run, then each row's chunks combined */            \
+        AttnRun all[runs];                                                                   \
+        int64_t at[runs + 1]; /* where each run's partials start */                          \
+        int task_start[runs + 1];                                                            \
+        at[0] = 0;                                                                           \
+        task_start[0] = 0;                                                                   \
+        for (int r = 0; r < runs; r++) {                                                     \
+            all[r] = attn_run(seq_lens, run_start[r], run_start[r + 1] - run_start[r], window, \
+                              chunk);                                                        \
+            at[r + 1] = at[r] + (int64_t)all[r].n * num_heads * all[r].chunks * stride;      \
+            task_start[r + 1] = task_start[r] + all[r].chunks;                               \
+        }                                                                                    \
+        float *partials = NULL;                                                              \
+        _Pragma("omp single copyprivate(partials)")                                          \
+        partials = malloc(sizeof(float) * (size_t)at[runs]);                                 \
+        if (!partials) { /* (every thread sees the same NULL) */                             \
             _Pragma("omp atomic write")                                                      \
-            failed = 1;                                                                      \
-            continue;                                                                        \
+            *failed_out = 1;                                                                 \
+            return;                                                                          \
         }                                                                                    \
-        for (int t = 0; t < span; t++) {                                                     \
-            const int p = lo + t;                                                            \
-            slots[t] = (int64_t)table[p / block_size] * block_size + p % block_size;         \
-        }                                                                                    \
-        for (int i = 0; i < n; i++) {                                                        \
-            const float *src = q + ((int64_t)(r0 + i) * num_heads + h0) * head_dim;          \
-            float *qi = qf + (int64_t)i * nh * head_dim;                                     \
-            for (int j = 0; j < nh * head_dim; j++) qi[j] = src[j] * scale;                  \
-        }                                                                                    \
-        const int kv0 = h0 / group, kv1 = (h0 + nh - 1) / group;                             \
-        /* scores: each kv head's K vectors of 8 positions against each of its query heads \
-         * of every row (a row's scores past its end are not used); one row's few queries,  \
-         * and a last 1-7 positions, 2 positions at a time against 4 queries */              \
-        const int64_t k_from = (int64_t)kv0 * head_dim * (int64_t)sizeof(T),                 \
-                      k_bytes = (int64_t)(kv1 + 1 - kv0) * head_dim * (int64_t)sizeof(T);    \
-        for (int t = 0; t < span; t += 8) {                                                  \
-            const int tokens = span - t < 8 ? span - t : 8;                                  \
-            for (int u = t + 8; u < t + 16 && u < span; u++) /* the next 8 positions */      \
-                for (int64_t b = 0; b < k_bytes; b += 64)                                    \
-                    __builtin_prefetch((const char *)(k_cache + slots[u] * row) + k_from + b, \
-                                       0, 3);                                                \
-            for (int kvh = kv0; kvh <= kv1; kvh++) {                                         \
-                const float *k[8];                                                           \
-                for (int u = 0; u < tokens; u++)                                             \
-                    k[u] = WIDEN_##S(k_cache + slots[t + u] * row + (int64_t)kvh * head_dim, \
-                                     kf + u * head_dim, head_dim);                           \
-                const int ha = kvh * group > h0 ? kvh * group - h0 : 0;                      \
-                const int hb = (kvh + 1) * group - h0 < nh ? (kvh + 1) * group - h0 : nh;    \
-                int m = 0;                                                                   \
-                for (int i = 0; i < n; i++)                                                  \
-                    for (int h = ha; h < hb; h++) {                                          \
-                        qs[m] = qf + ((int64_t)i * nh + h) * head_dim;                       \
-                        outs[m++] = scores + ((int64_t)i * nh + h) * span + t;               \
-                    }                                                                        \
-                if (tokens == 8 && m > 4) {                                                  \
-                    for (int j = 0; j < m; j++) score_tile8(k, qs[j], outs[j], head_dim);     \
-                    continue;                                                                \
-                }                                                                            \
-                for (int u = 0; u < tokens; u += 2) {                                        \
-                    float *o[m];                                                             \
-                    for (int j = 0; j < m; j++) o[j] = outs[j] + u;                          \
-                    for (int j = 0; j < m; j += 4)                                           \
-                        score_tile_any(m - j < 4 ? m - j : 4, tokens - u < 2 ? 1 : 2, k + u, \
-                                       qs + j, o + j, head_dim);                             \
-                }                                                                            \
+        _Pragma("omp for schedule(dynamic, 1)")                                              \
+        for (int task = 0; task < task_start[runs]; task++) {                                \
+            int r = 0;                                                                       \
+            while (task >= task_start[r + 1]) r++;                                           \
+            AttnScratch scratch;                                                             \
+            if (scratch_alloc(&scratch, all[r].n * num_heads, chunk, head_dim) != 0) {       \
+                _Pragma("omp atomic write")                                                  \
+                failed = 1;                                                                  \
+                continue;                                                                    \
             }                                                                                \
+            scale_queries(q, &all[r], num_heads, head_dim, scale, scratch.qf);               \
+            NAME##_chunk(k_cache, v_cache, block_tables + (int64_t)all[r].r0 * max_blocks,   \
+                         seq_lens, &all[r], all[r].c0 + task - task_start[r], chunk,         \
+                         num_heads, num_kv_heads, head_dim, block_size, window, &scratch,    \
+                         partials + at[r]);                                                  \
+            free(scratch.slots);                                                             \
         }                                                                                    \
-        for (int i = 0; i < n; i++)                                                          \
-            for (int h = 0; h < nh; h++) {                                                   \
-                float *all = scores + ((int64_t)i * nh + h) * span;                          \
-                float *sc = all + first[i] - lo;                                             \
-                const int len = end[i] - first[i];                                           \
-                float m = -FLT_MAX, sum = 0.f;                                               \
-                for (int t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;                     \
-                for (int t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }     \
-                const float inv = 1.f / sum;                                                 \
-                for (int t = 0; t < len; t++) sc[t] *= inv;                                  \
-                memset(all, 0, sizeof(float) * (size_t)(first[i] - lo));                    \
-                memset(sc + len, 0, sizeof(float) * (size_t)(span - (first[i] - lo) - len)); \
-            }                                                                                \
-        /* out = sum over the positions of w v, each kv head's V values 8 at a time into up  \
-         * to 8 of its queries' sums */                                                      \
-        for (int kvh = kv0; kvh <= kv1; kvh++) {                                             \
-            const int ha = kvh * group > h0 ? kvh * group - h0 : 0;                          \
-            const int hb = (kvh + 1) * group - h0 < nh ? (kvh + 1) * group - h0 : nh;        \
-            int m = 0;                                                                       \
-            for (int i = 0; i < n; i++)                                                      \
-                for (int h = ha; h < hb; h++) {                                              \
-                    qs[m] = scores + ((int64_t)i * nh + h) * span;                           \
-                    outs[m++] = out + ((int64_t)(r0 + i) * num_heads + h0 + h) * head_dim;   \
-                }                                                                            \
-            const T *v = v_cache + (int64_t)kvh * head_dim;                                  \
-            SUM_V_##S(v, slots, row, span, qs, outs, m, head_dim);                           \
+        int queries = 0;                                                                     \
+        for (int r = 0; r < runs; r++) queries += all[r].n * num_heads;                      \
+        _Pragma("omp for schedule(static)")                                                  \
+        for (int j = 0; j < queries; j++) {                                                  \
+            int r = 0, k = j;                                                                \
+            while (k >= all[r].n * num_heads) k -= all[r].n * num_heads, r++;                \
+            combine_chunks(partial_at(partials + at[r], k, all[r].chunks, 0, head_dim),      \
+                           all[r].chunks, head_dim,                                          \
+                           out + ((int64_t)all[r].r0 * num_heads + k) * head_dim);           \
         }                                                                                    \
-        free(scores);                                                                        \
-        free(qf);                                                                            \
-        free(kf);                                                                            \
-        free(slots);                                                                         \
-        free(qs);                                                                            \
-        free(outs);                                                                          \
+        _Pragma("omp single")                                                                \
+        free(partials);                                                                      \
     }                                                                                        \
     if (failed) {                                                                            \
         _Pragma("omp atomic write")                                                          \
@@ -421,7 +552,7 @@ static void SUM_V_##S(const T *v, const int64_t *slots, int64_t row, int span,  
 #define LOAD_BF16(x) bf16_to_f32(x)
 DEFINE_SUM_V(f32, float, LOAD_F32)
 DEFINE_SUM_V(bf16, uint16_t, LOAD_BF16)
-DEFINE_KERNEL(paged_decode_attention_f32, f32, float, LOAD_F32)
-DEFINE_KERNEL(paged_decode_attention_bf16, bf16, uint16_t, LOAD_BF16)
+DEFINE_KERNEL(paged_decode_attention_f32, f32, float)
+DEFINE_KERNEL(paged_decode_attention_bf16, bf16, uint16_t)
 
 void loom_set_num_threads(int n) { omp_set_num_threads(n); }
