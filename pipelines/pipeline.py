@@ -164,6 +164,27 @@ class PagedModelInputs(ModelInputs):
         self.num_sampled = num_sampled
 
 
+# A decode step reads every row's logits. Its logits_rows are then one tensor per row count,
+# 0..T-1 on the CPU, which a model's forward tells by identity (`selected_rows`): it skips the
+# gather, and the inputs skip making the rows. Each was a torch call of ~0.05-0.1 ms in a
+# small model's step (its weights have just streamed every cache out: cold code and data).
+_EVERY_ROW: dict[int, torch.Tensor] = {}
+
+
+def every_row(count: int) -> torch.Tensor:
+    """Rows 0..count-1 (int64, CPU), the same tensor for every call with `count`; nothing
+    may write it."""
+    rows = _EVERY_ROW.get(count)
+    if rows is None:
+        rows = _EVERY_ROW[count] = torch.arange(count)
+    return rows
+
+
+def selected_rows(hidden: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+    """hidden[logits_rows]: `hidden` itself where they are its every row (`every_row`)."""
+    return hidden if logits_rows is _EVERY_ROW.get(len(hidden)) else hidden[logits_rows]
+
+
 class PagedKVCacheManager:
     """The paged KV cache a model's `load_kv_manager` gives (MAX's KVCacheManager). Its blocks
     are the scheduler's to hand out: `fetch` takes the block tables it chose."""
@@ -202,6 +223,8 @@ class ModelOutputs:
     def to_host(self) -> ModelOutputs:
         """The logits on the CPU (sampling, grammars and log probabilities run there)."""
         first, every = self.next_token_logits, self.logits
+        if (first is None or first.is_cpu) and (every is None or every.is_cpu):
+            return self
         return ModelOutputs(first.cpu() if first is not None else None,
                             every.cpu() if every is not None else None, self.failed_requests)
 
@@ -388,6 +411,11 @@ class PipelineModel(KVCacheMixin, ABC):
         """Forget per-request state kept across steps (none by default)."""
 
 
+def _decodes_only(meta: AttentionMetadata) -> bool:
+    """Whether the step's sequences all feed one token (one group, of single queries)."""
+    return len(meta.groups) == 1 and meta.groups[0].single_query
+
+
 class PagedCausalLM(PipelineModel):
     """PipelineModel for Loom's decoder-only modules, whose `forward(input_ids, meta,
     kv_cache, logits_rows)` returns float32 logits of the wanted rows (Llama family, Gemma 3;
@@ -402,6 +430,10 @@ class PagedCausalLM(PipelineModel):
         ids = np.concatenate([ctx.next_tokens for ctx in context_batch])
         input_ids = torch.from_numpy(ids).to(self.session, non_blocking=True)
         q = kv_cache_inputs.query_lens
+        if return_n_logits == 1 and len(ids) == len(context_batch) \
+                and self.session.type == "cpu" and _decodes_only(kv_cache_inputs.attention):
+            # (every context feeds one token: each row is a context's last, in order)
+            return PagedModelInputs(input_ids, kv_cache_inputs, every_row(len(ids)), len(ids))
         last = np.cumsum(q) - 1
         if return_n_logits == -1:
             rows = np.concatenate([last, np.arange(int(q.sum()))])
@@ -429,5 +461,7 @@ class PagedCausalLM(PipelineModel):
         logits = self(m.input_ids, m.attention, m.kv_cache, m.logits_rows)
         # (The rows after the next-token ones: every row with return_n_logits=-1, the echo
         # rows once the runner narrowed them.)
+        if len(logits) == m.num_sampled:  # (every decode step: no slicing)
+            return ModelOutputs(next_token_logits=logits)
         rest = logits[m.num_sampled :] if len(logits) > m.num_sampled else None
         return ModelOutputs(next_token_logits=logits[: m.num_sampled], logits=rest)

@@ -90,6 +90,12 @@ class FusedDecode:
         self._layers = None
         self._embedding: _Projection | None = None  # a quantized table's rows (`embeds`)
         self._cache_ptr = None
+        self._residual = torch.empty(0)  # (the call's scratch, kept across steps)
+        # Whether the embedding table is one the call can look up (a quantized one, its
+        # kernel built): read once, as a torch Module's attributes are slow to reach.
+        table = getattr(model.embed_tokens, "table", None)
+        self._looks_up = isinstance(model.embed_tokens, QuantEmbedding) \
+            and table.kernel is not None
         # LoRA (worker/lora.py): the adapters' slots, and this step's slot of each row (int32
         # [T], -1: the base model's; None: no adapter rows).
         self.lora = None
@@ -127,9 +133,7 @@ class FusedDecode:
     def embeds(self, input_ids: torch.Tensor) -> bool:
         """Whether the call can look up `input_ids` itself (a quantized embedding table, ids
         as the kernel reads them): one Python lookup less a step."""
-        return (isinstance(self.model.embed_tokens, QuantEmbedding)
-                and self.model.embed_tokens.table.kernel is not None
-                and input_ids.dtype == torch.int64 and input_ids.dim() == 1
+        return (self._looks_up and input_ids.dtype == torch.int64 and input_ids.dim() == 1
                 and input_ids.is_contiguous())
 
     def __call__(self, x: torch.Tensor | None, meta: AttentionMetadata, kv_cache: torch.Tensor,
@@ -142,14 +146,13 @@ class FusedDecode:
             raise TypeError(f"fused decode: built for a {self.cache_dtype} KV cache, given a "
                             f"{kv_cache.dtype} one")
         layers = self._layer_weights(kv_cache)
-        self.dims.block_size = kv_cache.shape[3]
         group = meta.groups[0]
         embedding, ids = None, None
         if x is None:
             embedding, ids = self._embedding, input_ids.data_ptr()
             x = torch.empty(len(input_ids), self.dims.hidden, dtype=torch.float32)
         tokens = x.shape[0]
-        residual = torch.empty_like(x)
+        residual = self._scratch(tokens)
         rc = _lib.loom_decode_layers(
             layers, len(self.model.layers), ctypes.byref(self.dims),
             self.cache_dtype == torch.bfloat16, x.data_ptr(),
@@ -166,6 +169,13 @@ class FusedDecode:
             raise MemoryError(f"the fused decode step failed ({rc}): scratch memory could not "
                               f"be had")
         return x
+
+    def _scratch(self, tokens: int) -> torch.Tensor:
+        """The residual stream's buffer [tokens, hidden]: grown, never freed (an allocation
+        less a step)."""
+        if self._residual.shape[0] < tokens:
+            self._residual = torch.empty(tokens, self.dims.hidden, dtype=torch.float32)
+        return self._residual[:tokens]
 
     def _lora_rows(self, tokens: int) -> tuple[int | None, int]:
         """(the rows' slots, the widest rank) for the kernel; (None, 0): no adapter rows."""
@@ -196,6 +206,7 @@ class FusedDecode:
             if isinstance(table, QuantLinear):
                 self._embedding = _projection(table)
                 self._embedding.rows = table.out_features
+            self.dims.block_size = kv_cache.shape[3]
             self._cache_ptr = kv_cache.data_ptr()
         return self._layers
 

@@ -65,6 +65,8 @@ class EchoPlan:
 
 def plan_echo(step, states) -> list[EchoPlan]:
     plans = []
+    if not any(st.echo_logprobs for st in states):  # (every step asks: most echo nothing)
+        return plans
     first_rows = np.cumsum(step.query_lens.astype(np.int64)) - step.query_lens
     for i, st in enumerate(states):
         if not st.echo_logprobs or st.echo_next >= st.prompt_len:

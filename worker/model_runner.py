@@ -144,6 +144,8 @@ class ModelRunner:
                                        self.max_model_len, self.max_batch_size, self.num_blocks)
             self.graphs.capture()
         self.requests: dict[str, RequestSamplingState] = {}
+        # (Read once: a missing attribute of a torch Module costs a raised AttributeError.)
+        self.model_reads_step = getattr(self.model, "reads_step", False)
         self.loras = self._lora_slots(pipeline_config)
         self.lora_of: dict[str, LoRARequest] = {}  # the requests that run an adapter
         self.failing: set[str] = set()  # requests that failed alone (their state says why)
@@ -294,7 +296,7 @@ class ModelRunner:
             if len(sample_seqs) < len(contexts):  # (a failed sequence's row left out)
                 logits = logits[torch.from_numpy(sample_seqs).to(logits.device)]
             return None, ModelOutputs(next_token_logits=logits.cpu()), sample_seqs, None, None
-        extra = {"step": step} if getattr(self.model, "reads_step", False) else {}
+        extra = {"step": step} if self.model_reads_step else {}
         if len(verify_rows) and self._verifies_as_decodes(step, echo_plans, with_lora, extra):
             kv = self.kv_manager.inputs(*rows_as_decodes(step), contexts)
         else:
@@ -305,7 +307,9 @@ class ModelRunner:
             return_n_logits=-1 if every_row else 1 if self.samples else 0, **extra)
         narrowed = isinstance(inputs, PagedModelInputs)
         echo_rows = [p.rows for p in echo_plans]
-        if narrowed:  # (a rank that does not sample computes no logits: rows of none)
+        if narrowed and not self._narrowed_already(inputs, len(contexts), sample_seqs,
+                                                   echo_rows, verify_rows):
+            # (a rank that does not sample computes no logits: rows of none)
             rows = [last_rows_of(step)[sample_seqs] if self.samples else sample_seqs[:0]]
             inputs.narrow(np.concatenate(rows + echo_rows + [verify_rows]), len(rows[0]))
         fused = getattr(self.model, "fused_decode", None)
@@ -321,6 +325,16 @@ class ModelRunner:
         echo = outputs.logits[np.concatenate(echo_rows)] if echo_plans else None
         verify = outputs.logits[verify_rows] if len(verify_rows) else None
         return inputs, outputs, np.arange(len(contexts)), echo, verify
+
+    def _narrowed_already(self, inputs: PagedModelInputs, num_contexts: int,
+                          sample_seqs: np.ndarray, echo_rows: list, verify_rows: np.ndarray,
+                          ) -> bool:
+        """Whether the inputs already compute exactly the rows the runner reads: each
+        context's last row, as return_n_logits=1 asks, when every context samples and no row
+        echoes or verifies (every decode step). Narrowing them again cost ~0.04 ms a step."""
+        return (self.samples and not echo_rows and not len(verify_rows)
+                and len(sample_seqs) == num_contexts == inputs.num_sampled
+                and len(inputs.logits_rows) == num_contexts)
 
     def _verifies_as_decodes(self, step: StepBatch, echo_plans: list, with_lora: bool,
                              extra: dict) -> bool:
@@ -396,10 +410,12 @@ class ModelRunner:
         of each row of the outputs' next_token_logits). A row whose logits processing,
         grammar, draw or log probabilities raise is added to `failed` alone (the batched
         calls are redone row by row only when they raise: nothing per token)."""
-        batch_states = [states[i] for i in sample_seqs]
+        batch_states = [states[i] for i in sample_seqs.tolist()]
         top_n = [st.logprobs for st in batch_states]
-        at = np.searchsorted(logit_seqs, sample_seqs)  # (each sampled row's in the outputs)
-        whole = len(at) == len(logit_seqs)
+        # Each sampled row's in the outputs: all of them, in order, when as many (both are
+        # sorted, and the sampled sequences are among the outputs').
+        whole = len(sample_seqs) == len(logit_seqs)
+        at = np.arange(len(sample_seqs)) if whole else np.searchsorted(logit_seqs, sample_seqs)
         logits = outputs.next_token_logits
         logits = logits if whole else logits[torch.from_numpy(at)]
         # Log probabilities are of the raw logits: sampling adjusts a copy when they are asked.

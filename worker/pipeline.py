@@ -17,7 +17,7 @@ and which tokens each step feeds) comes from the pipeline's step source, MAX's K
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import numpy as np
 
@@ -111,9 +111,10 @@ class ScheduledSteps:
             if ctx.start_idx != s - 1 or ctx.active_idx != s:
                 contexts[i] = stand_in(ctx, s)
 
-    @contextmanager
-    def feeding(self, step: ScheduledStep) -> Iterator[list[TextContext]]:
-        yield step.contexts  # (`receive` set their windows)
+    def feeding(self, step: ScheduledStep) -> AbstractContextManager[list[TextContext]]:
+        # (`receive` set their windows; a nullcontext costs a fifth of a generator's.)
+        return nullcontext(step.contexts)
+
     def _new_context(self, new: NewRequest) -> TextContext:
         tokens = new.prompt_token_ids if new.prompt_token_ids is not None \
             else np.zeros(new.prompt_len, np.int64)  # (then filled in by the chunks)

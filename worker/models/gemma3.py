@@ -31,7 +31,7 @@ from torch import nn
 
 from pipelines.checkpoint.model_config import ModelConfig
 from pipelines.config import PipelineConfig
-from pipelines.pipeline import PagedCausalLM, checkpoint_config
+from pipelines.pipeline import PagedCausalLM, checkpoint_config, selected_rows
 from worker import layer_ops
 from worker.attention import AttentionMetadata, paged_attention, sliding_window_metadata, store_kv
 from worker.models.llama import (
@@ -216,7 +216,8 @@ class Gemma3ForCausalLM(nn.Module, PagedCausalLM):
     ) -> torch.Tensor:
         hidden = self._embed(input_ids)
         if self.fused_decode is not None and self.fused_decode.applies(meta):
-            x = self.fused_decode(hidden, meta, kv_cache, self.norm.scale)[logits_rows]
+            x = selected_rows(self.fused_decode(hidden, meta, kv_cache, self.norm.scale),
+                              logits_rows)
         else:
             hidden, residual = self._layers_forward(hidden, meta, kv_cache)
             x, _ = self.norm(hidden[logits_rows], residual[logits_rows])

@@ -18,7 +18,7 @@ from torch import nn
 
 from pipelines.checkpoint.model_config import EVERY_LAYER_SLIDING, ModelConfig
 from pipelines.config import PipelineConfig
-from pipelines.pipeline import PagedCausalLM, checkpoint_config
+from pipelines.pipeline import PagedCausalLM, checkpoint_config, selected_rows
 from worker import layer_ops
 from worker.attention import (
     AttentionMetadata,
@@ -234,8 +234,8 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
     ) -> torch.Tensor:
         fused = self.fused_decode
         if fused is not None and fused.applies(meta) and fused.embeds(input_ids):
-            return self.lm_head(fused(None, meta, kv_cache, self.norm.weight,
-                                      input_ids)[logits_rows]).float()
+            x = fused(None, meta, kv_cache, self.norm.weight, input_ids)
+            return _float(self.lm_head(selected_rows(x, logits_rows)))
         hidden = self.embed_tokens(input_ids).to(self.compute_dtype)
         return self.forward_embeddings(hidden, meta, kv_cache, logits_rows)
 
@@ -246,8 +246,8 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         `rotary`: the step's own tables, looked up at meta.positions (Qwen2-VL's M-RoPE);
         the fused decode step reads only the model's."""
         if rotary is None and self.fused_decode is not None and self.fused_decode.applies(meta):
-            return self.lm_head(self.fused_decode(hidden, meta, kv_cache,
-                                                  self.norm.weight)[logits_rows]).float()
+            x = self.fused_decode(hidden, meta, kv_cache, self.norm.weight)
+            return _float(self.lm_head(selected_rows(x, logits_rows)))
         residual = None
         rotary = self.rotary if rotary is None else rotary
         if self.sliding_window:
@@ -372,3 +372,8 @@ def load_fused_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor],
     missing = {name for name in missing if not name.startswith(loaded_elsewhere)}
     if missing:
         raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")
+
+
+def _float(logits: torch.Tensor) -> torch.Tensor:
+    """The logits in float32 (a call less where they are: every quantized or float32 model)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
