@@ -191,6 +191,7 @@ class PagedKVCacheManager:
 
     def __init__(self, cache: torch.Tensor, page_size: int) -> None:
         self.cache = cache
+        self.device = cache.device
         self.page_size = page_size
         self.num_blocks = cache.shape[2]
 
@@ -209,7 +210,7 @@ class PagedKVCacheManager:
         """The cache inputs of windows given as lengths (what `fetch` reads off contexts)."""
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.page_size)
         return KVCacheInputs(self.cache, meta, seq_lens, query_lens, block_tables,
-                             self.page_size, context_batch).to(self.cache.device)
+                             self.page_size, context_batch).to(self.device)
 
 
 @dataclass

@@ -171,11 +171,11 @@ class FusedDecode:
         return x
 
     def _scratch(self, tokens: int) -> torch.Tensor:
-        """The residual stream's buffer [tokens, hidden]: grown, never freed (an allocation
-        less a step)."""
+        """The residual stream's buffer, [tokens, hidden] at least (the call uses its first
+        rows): grown, never freed, an allocation less a step."""
         if self._residual.shape[0] < tokens:
             self._residual = torch.empty(tokens, self.dims.hidden, dtype=torch.float32)
-        return self._residual[:tokens]
+        return self._residual
 
     def _lora_rows(self, tokens: int) -> tuple[int | None, int]:
         """(the rows' slots, the widest rank) for the kernel; (None, 0): no adapter rows."""
