@@ -9,6 +9,7 @@ ValueError (reported by the decoder as a msgspec.ValidationError).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -59,18 +60,30 @@ def _checked_shape(dims: Any) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def _map_field(obj: dict, key: bytes) -> Any:
+    """msgpack-numpy's keys are bytes; a peer may write them as strings."""
+    if key in obj:
+        return obj[key]
+    name = key.decode()
+    if name in obj:
+        return obj[name]
+    raise ValueError(f"numpy array map without {name!r}")
+
+
+# The dtypes of the arrays seen, by their wire spelling: a step's five arrays each parsed
+# their type string anew (a step message is decoded every decode step).
+_dtype_of = functools.lru_cache(maxsize=64)(_checked_dtype)
+
+
 def _array_from_map(obj: dict, copy: bool) -> np.ndarray:
     """A msgpack-numpy map as an array. Every way a map can be malformed is a ValueError (the
     decoder reports it as a ValidationError), so `decode_or_drop` sees one kind of failure."""
-    def get(key: str) -> Any:
-        for k in (key.encode(), key):
-            if k in obj:
-                return obj[k]
-        raise ValueError(f"numpy array map without {key!r}")
-
-    dtype = _checked_dtype(get("type"))
-    shape = _checked_shape(get("shape"))
-    data = get("data")
+    spec = _map_field(obj, b"type")
+    if not isinstance(spec, (str, bytes)):  # (unhashable ones too: checked before the cache)
+        _checked_dtype(spec)
+    dtype = _dtype_of(spec)
+    shape = _checked_shape(_map_field(obj, b"shape"))
+    data = _map_field(obj, b"data")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError("numpy array data must be binary")
     # The product in Python ints (no int64 wrap-around): data and shape must agree exactly, so
