@@ -6,12 +6,13 @@ import torch
 
 from pipelines import SamplingParams, TextContext
 from pipelines.config import PipelineConfig
+from pipelines.pipeline import every_row
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler
 from tests.helpers import make_tiny_checkpoint
 from worker.attention import build_attention_metadata
 from worker.model_runner import ModelRunner
-from worker.pipeline import run_step
+from worker.pipeline import feeding, run_step
 
 
 # qwen2: a qkv bias; qwen3: q/k norms; gemma3: q/k norms, four norms a layer of 1 + w, GELU,
@@ -113,6 +114,34 @@ def test_decode_step_logits_equal_the_python_path(runner):
                 runner.model.fused_decode = fused_path
         torch.testing.assert_close(fused, python, rtol=1e-4, atol=atol)
         sched.update(step, run_step(runner, step))
+
+
+def test_decode_step_reads_every_row_as_a_gather_does(runner):
+    """A decode step whose every sequence samples computes its logits without gathering the
+    rows (its inputs' logits_rows are `every_row`, which the model tells by identity): the
+    same logits, bit for bit, as those rows gathered. Rows narrowed otherwise are gathered."""
+    runner, _ = runner
+    blocks = BlockManager(runner.num_blocks, 4)
+    sched = Scheduler(PipelineConfig().replace(max_length=runner.max_model_len), blocks)
+    for n in (5, 12, 3):
+        sched.add_request(TextContext(max_length=n + 8, tokens=np.arange(5, 5 + n),
+                                      sampling_params=SamplingParams(temperature=0.0)))
+    step = sched.schedule()
+    sched.update(step, run_step(runner, step))  # prefill
+    step = sched.schedule()
+    with feeding(step) as contexts, torch.inference_mode():
+        for ctx in contexts:  # (placeholders of the overlap scheduler: any token does here)
+            ctx.tokens[ctx.start_idx:ctx.active_idx] = 7
+        inputs = runner.model.prepare_initial_token_inputs(
+            contexts, kv_cache_inputs=runner.kv_manager.fetch(contexts, step.batch.block_tables))
+        assert inputs.logits_rows is every_row(3)
+        whole = runner.model.execute(inputs).next_token_logits
+        inputs.narrow(np.arange(3), 3)
+        assert inputs.logits_rows is not every_row(3)
+        assert torch.equal(runner.model.execute(inputs).next_token_logits, whole)
+        inputs.narrow(np.array([2, 0]), 2)
+        torch.testing.assert_close(runner.model.execute(inputs).next_token_logits,
+                                   whole[[2, 0]], rtol=1e-5, atol=1e-5)
 
 
 def test_decode_step_metadata_equals_the_general_build():
