@@ -474,7 +474,7 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
                            all[r].chunks, head_dim,                                          \
                            out + ((int64_t)all[r].r0 * num_heads + k) * head_dim);           \
         }                                                                                    \
-        _Pragma("omp single")                                                                \
+        _Pragma("omp single nowait") /* (after the loop's barrier: every row combined) */    \
         free(partials);                                                                      \
     }                                                                                        \
     if (failed) {                                                                            \
