@@ -85,12 +85,15 @@ def quantize_projections(model, checkpoint: str) -> None:
     model.fused_decode = FusedDecode.for_model(model)
 
 
-def test_decode_step_logits_equal_the_python_path(runner):
+# several lengths: partial blocks, different tables; one long sequence alone: its attention
+# split by chunks of positions over the threads (a window's reach starting in a later chunk)
+@pytest.mark.parametrize("lengths", [(3, 17, 40, 9), (150,)])
+def test_decode_step_logits_equal_the_python_path(runner, lengths):
     runner, atol = runner
     blocks = BlockManager(runner.num_blocks, 4)
     sched = Scheduler(PipelineConfig().replace(max_length=runner.max_model_len), blocks)
     rng = np.random.default_rng(0)
-    for n in (3, 17, 40, 9):  # several lengths: partial blocks, different tables
+    for n in lengths:
         sched.add_request(TextContext(max_length=n + 8, tokens=rng.integers(5, 400, n),
                                       sampling_params=SamplingParams(temperature=0.0)))
     step = sched.schedule()
