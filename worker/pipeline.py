@@ -82,11 +82,14 @@ class ScheduledSteps:
             self.contexts[new.request_id] = self._new_context(new)
         contexts = [self.contexts[rid] for rid in step.request_ids]
         ids, q, seq_lens = step.input_ids, step.query_lens, step.seq_lens
-        starts = np.cumsum(q) - q
         # A decode of the token this worker sampled last (FUTURE_TOKEN) finds its context as
         # that update left it; the others (prompt chunks, a preempted request's recomputed
         # tokens, a token given outright) are written into their contexts' windows.
-        future = (q == 1) & (ids[starts] == FUTURE_TOKEN)
+        if len(ids) == len(q):  # (decodes only: the step was checked, every length is >= 1)
+            starts, future = np.arange(len(q)), ids == FUTURE_TOKEN
+        else:
+            starts = np.cumsum(q) - q
+            future = (q == 1) & (ids[starts] == FUTURE_TOKEN)
         drafts = step.num_draft_tokens
         for i in np.flatnonzero(~future).tolist():
             ctx, n, s, start = contexts[i], int(q[i]), int(seq_lens[i]), int(starts[i])
