@@ -176,7 +176,8 @@ def every_row(count: int) -> torch.Tensor:
     may write it."""
     rows = _EVERY_ROW.get(count)
     if rows is None:
-        rows = _EVERY_ROW[count] = torch.arange(count)
+        with torch.inference_mode(False):  # (a normal tensor: any forward may read it)
+            rows = _EVERY_ROW[count] = torch.arange(count)
     return rows
 
 

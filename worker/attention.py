@@ -123,11 +123,13 @@ def _decode_rows(batch: int) -> tuple:
     """The decode group's fields that depend on the batch size alone (the rows, then
     query_index, query_valid, valid_rows, q_lens, first_rows), made once per size: building
     them was a third of `_decode_metadata`'s time. Shared by every step of that size:
-    nothing writes them."""
+    nothing writes them. (Normal tensors, not inference ones, whichever mode builds them
+    first: a forward that autograd tracks may read them too.)"""
     rows = np.arange(batch)
-    return (rows, torch.from_numpy(rows[:, None]), torch.ones(batch, 1, dtype=torch.bool),
-            torch.from_numpy(rows), torch.ones(batch, dtype=torch.int32),
-            torch.from_numpy(rows.astype(np.int32)))
+    with torch.inference_mode(False):
+        return (rows, torch.from_numpy(rows[:, None]), torch.ones(batch, 1, dtype=torch.bool),
+                torch.from_numpy(rows), torch.ones(batch, dtype=torch.int32),
+                torch.from_numpy(rows.astype(np.int32)))
 
 
 def _build_group(members, query_lens, seq_lens, first_row, tables, block_size) -> AttentionGroup:
