@@ -214,14 +214,16 @@ DEFINE_V_TILE(bf16, uint16_t, load8_bf16)
  * up to whole KV blocks, aligned to position 0): per chunk and query head, the scores' max m,
  * the sum s of exp(score - m) and the sum of exp(score - m) v; then the chunks are combined in
  * order (flash-decoding's split). A chunk is a task of its own when the batch has fewer runs
- * than threads (one user: both threads stream their halves of the K/V, whole rows of every kv
+ * than threads (one user: both threads stream their part of the K/V, whole rows of every kv
  * head, where a task per query head read a third of each row, each kv head's rows once per
- * query head, and 2 threads were no faster than 1: 1.9 ms a step at 256 tokens for SmolLM2);
- * otherwise a run's chunks are done in turn by one task. The chunks are the same either way
- * and each row's arithmetic is its own (a row's positions in a chunk start where they start
- * alone, positions outside them weigh an exact 0), so a row's numbers depend neither on its
- * company nor on the thread count. */
-#define CHUNK_POSITIONS 64
+ * query head, and 2 threads were no faster than 1); otherwise a task takes a run's chunks
+ * together, in one pass over K and one over V (chunk by chunk, a pass each cost batch 16
+ * ~10 % more). The chunks are the same either way and each row's arithmetic is its own (a
+ * row's positions in a chunk start where they start alone, positions outside them weigh an
+ * exact 0), so a row's numbers depend neither on its company nor on the thread count.
+ * 128 positions: 64 made batch 16's attention ~10 % slower than one chunk per row (2 threads,
+ * SmolLM2's shape, 256 tokens), 128 splits a 256-token context in two as well. */
+#define CHUNK_POSITIONS 128
 
 static int chunk_size(int block_size) {
     return (CHUNK_POSITIONS + block_size - 1) / block_size * block_size;
@@ -298,17 +300,20 @@ static void scale_queries(const float *q, const AttnRun *run, int num_heads, int
     for (int64_t j = 0; j < size; j++) qf[j] = src[j] * scale;
 }
 
-/* NAME##_chunk: the partials of chunk c of `run` for every row and query head, into
- * partial_at(partials, i * num_heads + h, run->chunks, c - run->c0, head_dim). */
-#define DEFINE_CHUNK(NAME, S, T)                                                             \
-static void NAME##_chunk(const T *k_cache, const T *v_cache, const int32_t *table,          \
-                         const int32_t *seq_lens, const AttnRun *run, int c, int chunk,      \
-                         int num_heads, int num_kv_heads, int head_dim, int block_size,      \
-                         int window, const AttnScratch *scratch, float *partials) {          \
+/* NAME##_chunks: the partials of chunks c .. c + count of `run` for every row and query head,
+ * into partial_at(partials, i * num_heads + h, run->chunks, c - run->c0 + k, head_dim): the
+ * scores of all their positions (one pass over K), each chunk's softmax terms, then the V sums
+ * chunk after chunk (one pass over V); the numbers are those of each chunk alone. */
+#define DEFINE_CHUNKS(NAME, S, T)                                                            \
+static void NAME##_chunks(const T *k_cache, const T *v_cache, const int32_t *table,         \
+                          const int32_t *seq_lens, const AttnRun *run, int c, int count,     \
+                          int chunk, int num_heads, int num_kv_heads, int head_dim,          \
+                          int block_size, int window, const AttnScratch *scratch,           \
+                          float *partials) {                                                 \
     const int group = num_heads / num_kv_heads, n = run->n;                                  \
     const int64_t row = (int64_t)num_kv_heads * head_dim;                                    \
     const int cs = c * chunk > run->lo ? c * chunk : run->lo;                                \
-    const int ce = (c + 1) * chunk < run->hi ? (c + 1) * chunk : run->hi;                    \
+    const int ce = (c + count) * chunk < run->hi ? (c + count) * chunk : run->hi;            \
     const int span = ce - cs;                                                                \
     float *scores = scratch->scores, *kf = scratch->kf;                                      \
     const float *qf = scratch->qf;                                                           \
@@ -352,35 +357,44 @@ static void NAME##_chunk(const T *k_cache, const T *v_cache, const int32_t *tabl
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
-    /* weights exp(score - m) over each row's own positions of the chunk (from where they   \
-     * start, as alone), an exact 0 elsewhere */                                             \
-    for (int i = 0; i < n; i++) {                                                            \
-        const int e = seq_lens[run->r0 + i], f = window > 0 && e > window ? e - window : 0;   \
-        const int a = f <= cs ? 0 : f >= ce ? span : f - cs;                                 \
-        const int z = e >= ce ? span : e - cs <= a ? a : e - cs;                             \
-        for (int h = 0; h < num_heads; h++) {                                                \
-            float *sc = scores + ((int64_t)i * num_heads + h) * span;                        \
-            float *p = partial_at(partials, (int64_t)i * num_heads + h, run->chunks,         \
-                                  c - run->c0, head_dim);                                    \
-            float m = -FLT_MAX, sum = 0.f;                                                   \
-            for (int t = a; t < z; t++) m = sc[t] > m ? sc[t] : m;                           \
-            for (int t = a; t < z; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }           \
-            if (a > 0) memset(sc, 0, sizeof(float) * (size_t)a);                             \
-            memset(sc + z, 0, sizeof(float) * (size_t)(span - z));                           \
-            p[0] = m;                                                                        \
-            p[1] = sum;                                                                      \
-        }                                                                                    \
-    }                                                                                        \
-    /* the sums of w v: each kv head's V values 8 at a time into up to 8 queries' sums */    \
-    for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                           \
-        int m = 0;                                                                           \
-        for (int i = 0; i < n; i++)                                                          \
-            for (int h = kvh * group; h < (kvh + 1) * group; h++) {                          \
-                qs[m] = scores + ((int64_t)i * num_heads + h) * span;                        \
-                outs[m++] = partial_at(partials, (int64_t)i * num_heads + h, run->chunks,    \
-                                       c - run->c0, head_dim) + 2;                           \
+    for (int k = 0; k < count; k++) { /* each chunk's positions s0 .. s1 of the span */      \
+        const int s0 = (c + k) * chunk - cs > 0 ? (c + k) * chunk - cs : 0;                  \
+        const int s1 = (c + k + 1) * chunk - cs < span ? (c + k + 1) * chunk - cs : span;    \
+        const int len = s1 - s0;                                                             \
+        /* weights exp(score - m) over each row's own positions of the chunk (from where    \
+         * they start, as alone), an exact 0 elsewhere */                                    \
+        for (int i = 0; i < n; i++) {                                                        \
+            const int e = seq_lens[run->r0 + i] - cs - s0;                                   \
+            const int f = (window > 0 && seq_lens[run->r0 + i] > window                      \
+                           ? seq_lens[run->r0 + i] - window : 0) - cs - s0;                  \
+            const int a = f <= 0 ? 0 : f >= len ? len : f;                                   \
+            const int z = e >= len ? len : e <= a ? a : e;                                   \
+            for (int h = 0; h < num_heads; h++) {                                            \
+                float *sc = scores + ((int64_t)i * num_heads + h) * span + s0;               \
+                float *p = partial_at(partials, (int64_t)i * num_heads + h, run->chunks,     \
+                                      c - run->c0 + k, head_dim);                            \
+                float m = -FLT_MAX, sum = 0.f;                                               \
+                for (int t = a; t < z; t++) m = sc[t] > m ? sc[t] : m;                       \
+                for (int t = a; t < z; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }       \
+                if (a > 0) memset(sc, 0, sizeof(float) * (size_t)a);                         \
+                memset(sc + z, 0, sizeof(float) * (size_t)(len - z));                        \
+                p[0] = m;                                                                    \
+                p[1] = sum;                                                                  \
             }                                                                                \
-        SUM_V_##S(v_cache + (int64_t)kvh * head_dim, slots, row, span, qs, outs, m, head_dim); \
+        }                                                                                    \
+        /* the sums of w v: each kv head's V values 8 at a time into up to 8 queries' sums  \
+         * (the next chunk's first rows prefetched at this one's end) */                     \
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                       \
+            int m = 0;                                                                       \
+            for (int i = 0; i < n; i++)                                                      \
+                for (int h = kvh * group; h < (kvh + 1) * group; h++) {                      \
+                    qs[m] = scores + ((int64_t)i * num_heads + h) * span + s0;               \
+                    outs[m++] = partial_at(partials, (int64_t)i * num_heads + h, run->chunks, \
+                                           c - run->c0 + k, head_dim) + 2;                   \
+                }                                                                            \
+            SUM_V_##S(v_cache + (int64_t)kvh * head_dim, slots + s0, row, len, span - s1,    \
+                      qs, outs, m, head_dim);                                                \
+        }                                                                                    \
     }                                                                                        \
 }
 
@@ -388,7 +402,7 @@ static void NAME##_chunk(const T *k_cache, const T *v_cache, const int32_t *tabl
  * decoder.c's one parallel region per step); a failed allocation sets *failed. Ends with the
  * team's barrier. NAME runs it in a region of its own. */
 #define DEFINE_KERNEL(NAME, S, T)                                                            \
-DEFINE_CHUNK(NAME, S, T)                                                                     \
+DEFINE_CHUNKS(NAME, S, T)                                                                     \
 static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,                   \
                         const int32_t *block_tables, const int32_t *seq_lens, float *out,    \
                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,         \
@@ -410,17 +424,16 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
             const int nq = run.n * num_heads;                                                \
             float *partials = malloc(sizeof(float) * (size_t)nq * run.chunks * stride);      \
             AttnScratch scratch;                                                             \
-            if (!partials || scratch_alloc(&scratch, nq, chunk, head_dim) != 0) {            \
+            if (!partials || scratch_alloc(&scratch, nq, run.chunks * chunk, head_dim) != 0) { \
                 free(partials);                                                              \
                 _Pragma("omp atomic write")                                                  \
                 failed = 1;                                                                  \
                 continue;                                                                    \
             }                                                                                \
             scale_queries(q, &run, num_heads, head_dim, scale, scratch.qf);                  \
-            for (int c = run.c0; c < run.c0 + run.chunks; c++)                               \
-                NAME##_chunk(k_cache, v_cache, block_tables + (int64_t)run.r0 * max_blocks,  \
-                             seq_lens, &run, c, chunk, num_heads, num_kv_heads, head_dim,    \
-                             block_size, window, &scratch, partials);                        \
+            NAME##_chunks(k_cache, v_cache, block_tables + (int64_t)run.r0 * max_blocks,     \
+                          seq_lens, &run, run.c0, run.chunks, chunk, num_heads, num_kv_heads, \
+                          head_dim, block_size, window, &scratch, partials);                 \
             for (int j = 0; j < nq; j++)                                                     \
                 combine_chunks(partial_at(partials, j, run.chunks, 0, head_dim), run.chunks, \
                                head_dim, out + ((int64_t)run.r0 * num_heads + j) * head_dim); \
@@ -458,10 +471,10 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
                 continue;                                                                    \
             }                                                                                \
             scale_queries(q, &all[r], num_heads, head_dim, scale, scratch.qf);               \
-            NAME##_chunk(k_cache, v_cache, block_tables + (int64_t)all[r].r0 * max_blocks,   \
-                         seq_lens, &all[r], all[r].c0 + task - task_start[r], chunk,         \
-                         num_heads, num_kv_heads, head_dim, block_size, window, &scratch,    \
-                         partials + at[r]);                                                  \
+            NAME##_chunks(k_cache, v_cache, block_tables + (int64_t)all[r].r0 * max_blocks,  \
+                          seq_lens, &all[r], all[r].c0 + task - task_start[r], 1, chunk,     \
+                          num_heads, num_kv_heads, head_dim, block_size, window, &scratch,   \
+                          partials + at[r]);                                                 \
             free(scratch.slots);                                                             \
         }                                                                                    \
         int queries = 0;                                                                     \
@@ -507,7 +520,7 @@ static inline const float *WIDEN_bf16(const uint16_t *k, float *buf, int head_di
 /* outs[j][0 .. head_dim) = sum over t < span of w[j][t] v_t (v_t = v + slots[t] * row) for m
  * queries, in order of t. */
 #define DEFINE_SUM_V(S, T, LOAD)                                                             \
-static void SUM_V_##S(const T *v, const int64_t *slots, int64_t row, int span,               \
+static void SUM_V_##S(const T *v, const int64_t *slots, int64_t row, int span, int ahead,    \
                       const float *const *w, float *const *outs, int m, int head_dim) {      \
     SUM_V_AVX2_##S                                                                           \
     for (int j = 0; j < m; j++) {                                                            \
@@ -529,7 +542,7 @@ static void SUM_V_##S(const T *v, const int64_t *slots, int64_t row, int span,  
         const float *wt[m];                                                                  \
         for (int t = 0; t < span; t += 16) {                                                 \
             const int len = span - t < 16 ? span - t : 16;                                   \
-            for (int u = t + 16; u < t + 16 + len && u < span; u++) /* the next 16's rows */ \
+            for (int u = t + 16; u < t + 32 && u < span + ahead; u++) /* the next 16 rows */ \
                 for (int64_t b = 0; b < (int64_t)sizeof(*v) * head_dim; b += 64)          \
                     __builtin_prefetch((const char *)(v + slots[u] * row) + b, 0, 3);        \
             for (int j = 0; j < m; j++) wt[j] = w[j] + t;                                    \
