@@ -398,11 +398,29 @@ static void NAME##_chunks(const T *k_cache, const T *v_cache, const int32_t *tab
     }                                                                                        \
 }
 
+/* NAME##_run_chunks: NAME##_chunks with its working memory (the run's queries scaled once);
+ * -1 if that memory could not be had. */
+#define DEFINE_RUN_CHUNKS(NAME, S, T)                                                        \
+static int NAME##_run_chunks(const float *q, const T *k_cache, const T *v_cache,            \
+                             const int32_t *table, const int32_t *seq_lens,                  \
+                             const AttnRun *run, int c, int count, int chunk, int num_heads, \
+                             int num_kv_heads, int head_dim, int block_size, int window,     \
+                             float scale, float *partials) {                                 \
+    AttnScratch scratch;                                                                     \
+    if (scratch_alloc(&scratch, run->n * num_heads, count * chunk, head_dim) != 0) return -1; \
+    scale_queries(q, run, num_heads, head_dim, scale, scratch.qf);                           \
+    NAME##_chunks(k_cache, v_cache, table, seq_lens, run, c, count, chunk, num_heads,        \
+                  num_kv_heads, head_dim, block_size, window, &scratch, partials);           \
+    free(scratch.slots); /* (the allocation's start) */                                     \
+    return 0;                                                                                \
+}
+
 /* NAME##_team: the work for a team of threads already running (orphaned worksharing, for
  * decoder.c's one parallel region per step); a failed allocation sets *failed. Ends with the
  * team's barrier. NAME runs it in a region of its own. */
 #define DEFINE_KERNEL(NAME, S, T)                                                            \
 DEFINE_CHUNKS(NAME, S, T)                                                                     \
+DEFINE_RUN_CHUNKS(NAME, S, T)                                                                 \
 static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,                   \
                         const int32_t *block_tables, const int32_t *seq_lens, float *out,    \
                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,         \
@@ -416,28 +434,26 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
             run_start[runs++] = s;                                                           \
     run_start[runs] = num_seqs;                                                              \
     int failed = 0;                                                                          \
-    if (runs >= threads) { /* a task per run, its chunks in turn */                          \
+    if (runs >= threads) { /* a task per run, its chunks together */                        \
         _Pragma("omp for schedule(dynamic, 1)")                                              \
         for (int r = 0; r < runs; r++) {                                                     \
             const AttnRun run = attn_run(seq_lens, run_start[r], run_start[r + 1] - run_start[r], \
                                          window, chunk);                                     \
             const int nq = run.n * num_heads;                                                \
             float *partials = malloc(sizeof(float) * (size_t)nq * run.chunks * stride);      \
-            AttnScratch scratch;                                                             \
-            if (!partials || scratch_alloc(&scratch, nq, run.chunks * chunk, head_dim) != 0) { \
+            if (!partials ||                                                                 \
+                NAME##_run_chunks(q, k_cache, v_cache,                                       \
+                                  block_tables + (int64_t)run.r0 * max_blocks, seq_lens,     \
+                                  &run, run.c0, run.chunks, chunk, num_heads, num_kv_heads,  \
+                                  head_dim, block_size, window, scale, partials) != 0) {     \
                 free(partials);                                                              \
                 _Pragma("omp atomic write")                                                  \
                 failed = 1;                                                                  \
                 continue;                                                                    \
             }                                                                                \
-            scale_queries(q, &run, num_heads, head_dim, scale, scratch.qf);                  \
-            NAME##_chunks(k_cache, v_cache, block_tables + (int64_t)run.r0 * max_blocks,     \
-                          seq_lens, &run, run.c0, run.chunks, chunk, num_heads, num_kv_heads, \
-                          head_dim, block_size, window, &scratch, partials);                 \
             for (int j = 0; j < nq; j++)                                                     \
                 combine_chunks(partial_at(partials, j, run.chunks, 0, head_dim), run.chunks, \
                                head_dim, out + ((int64_t)run.r0 * num_heads + j) * head_dim); \
-            free(scratch.slots);                                                             \
             free(partials);                                                                  \
         }                                                                                    \
     } else { /* a task per chunk of every run, then each row's chunks combined */            \
@@ -464,18 +480,14 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
         for (int task = 0; task < task_start[runs]; task++) {                                \
             int r = 0;                                                                       \
             while (task >= task_start[r + 1]) r++;                                           \
-            AttnScratch scratch;                                                             \
-            if (scratch_alloc(&scratch, all[r].n * num_heads, chunk, head_dim) != 0) {       \
+            if (NAME##_run_chunks(q, k_cache, v_cache,                                       \
+                                  block_tables + (int64_t)all[r].r0 * max_blocks, seq_lens,  \
+                                  &all[r], all[r].c0 + task - task_start[r], 1, chunk,       \
+                                  num_heads, num_kv_heads, head_dim, block_size, window,     \
+                                  scale, partials + at[r]) != 0) {                           \
                 _Pragma("omp atomic write")                                                  \
                 failed = 1;                                                                  \
-                continue;                                                                    \
             }                                                                                \
-            scale_queries(q, &all[r], num_heads, head_dim, scale, scratch.qf);               \
-            NAME##_chunks(k_cache, v_cache, block_tables + (int64_t)all[r].r0 * max_blocks,  \
-                          seq_lens, &all[r], all[r].c0 + task - task_start[r], 1, chunk,     \
-                          num_heads, num_kv_heads, head_dim, block_size, window, &scratch,   \
-                          partials + at[r]);                                                 \
-            free(scratch.slots);                                                             \
         }                                                                                    \
         int queries = 0;                                                                     \
         for (int r = 0; r < runs; r++) queries += all[r].n * num_heads;                      \
