@@ -48,11 +48,11 @@ class Ceiling:
         self.clean = clean or CleanRuns()
         self.max_len = cfg.prompt_len + cfg.output_len
         torch.set_num_threads(os.cpu_count() or 1)
-        self.loop = _StepLoop(_make_runner(cfg, self.max_len), cfg.block_size)
+        self.loop = StepLoop(make_runner(cfg, self.max_len), cfg.block_size)
         self.prefills = 0
         self.record: dict = {"threads": torch.get_num_threads(), "prefill_one": None,
                              "one_token_forward_ms": None, "batches": {}}
-        _warm_up(self.loop, cfg, self.max_len)
+        warm_up(self.loop, cfg, self.max_len)
 
     def measure_prefill_one(self) -> dict:
         cfg = self.cfg
@@ -123,7 +123,7 @@ def run_ceiling(cfg: CeilingConfig, log=print, clean: CleanRuns | None = None) -
     return ceiling.record
 
 
-def _make_runner(cfg: CeilingConfig, max_len: int):
+def make_runner(cfg: CeilingConfig, max_len: int):
     # Imported here so `bench.run --skip-ceiling` never loads the worker package.
     from pipelines.checkpoint.model_config import load_model_config
     from pipelines.config import PipelineConfig
@@ -142,7 +142,7 @@ def _make_runner(cfg: CeilingConfig, max_len: int):
     ))
 
 
-class _StepLoop:
+class StepLoop:
     """Runs hand-built steps through the runner, timing each forward pass."""
 
     def __init__(self, runner, block_size: int) -> None:
@@ -174,7 +174,7 @@ def _prompts(count: int, length: int, offset: int) -> list[list[int]]:
     return [prompt_ids(PROMPT_INDEX_BASE + offset + i, length) for i in range(count)]
 
 
-def _warm_up(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> None:
+def warm_up(loop: StepLoop, cfg: CeilingConfig, max_len: int) -> None:
     # First calls pay for allocator growth and kernel selection; keep them out of the numbers.
     # Sized to fit the KV cache, which holds exactly max(batch_sizes) sequences of max_len.
     count = min(2, max(cfg.batch_sizes))
@@ -186,7 +186,7 @@ def _warm_up(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> None:
     loop.finish(seqs)
 
 
-def _measure_prefill_one(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> dict:
+def _measure_prefill_one(loop: StepLoop, cfg: CeilingConfig, max_len: int) -> dict:
     """One P-token prompt at batch 1 (what TTFT at concurrency 1 is made of), median of a few."""
     times = [_prefill_once(loop, cfg, max_len, _prompts(1, cfg.prompt_len, 100 + r)[0], f"p1-{r}")
              for r in range(cfg.prefill_repeats)]
@@ -194,7 +194,7 @@ def _measure_prefill_one(loop: _StepLoop, cfg: CeilingConfig, max_len: int) -> d
     return {"ms": ms, "tok_s": cfg.prompt_len / (ms / 1e3), "runs_ms": [t * 1e3 for t in times]}
 
 
-def _prefill_once(loop: _StepLoop, cfg: CeilingConfig, max_len: int, ids: list[int],
+def _prefill_once(loop: StepLoop, cfg: CeilingConfig, max_len: int, ids: list[int],
                   tag: str) -> float:
     """Seconds of forward passes to prefill one prompt at batch 1, in budget-sized chunks."""
     seqs = st.make_sequences([ids], max_len, cfg.block_size, tag)
@@ -203,7 +203,7 @@ def _prefill_once(loop: _StepLoop, cfg: CeilingConfig, max_len: int, ids: list[i
     return seconds
 
 
-def _measure_batch(loop: _StepLoop, cfg: CeilingConfig, batch: int, max_len: int) -> dict:
+def _measure_batch(loop: StepLoop, cfg: CeilingConfig, batch: int, max_len: int) -> dict:
     """B prompts prefilled together in budget-sized chunks (the first token comes out of the
     prefill), then N-1 decode steps of one token per sequence at contexts P+1 .. P+N-1: the
     steps a request of the load test goes through."""
