@@ -217,8 +217,11 @@ class TextTokenizer:
         elif isinstance(request.prompt, str):
             ids = await self.encode(request.prompt, add_special_tokens=True)
         elif request.prompt is not None:
-            ids = np.asarray(list(request.prompt), dtype=np.int64)
-            if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            try:
+                ids = np.asarray(list(request.prompt), dtype=np.int64)
+            except OverflowError:  # (an id past int64: JSON numbers have no bound)
+                ids = None
+            if ids is None or len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
                 raise RequestError(
                     f"prompt holds token ids outside the vocabulary [0, {self.vocab_size})",
                     param="prompt")

@@ -547,6 +547,10 @@ OUT_OF_RANGE = [  # (path, body, the parameter the 400 names)
     (COMP, {"prompt": "hi", "min_tokens": HUGE}, "min_tokens"),
     (COMP, b'{"prompt": "hi", "repetition_penalty": 1e999}', "repetition_penalty"),
     (COMP, {"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),
+    # token ids past int64 (found by schemathesis: a 500 once)
+    (COMP, {"prompt": [1, HUGE * 7], "max_tokens": 2}, "prompt"),
+    (COMP, {"prompt": [[1, 2], [HUGE]], "max_tokens": 2}, "prompt"),
+    (COMP, {"prompt": [[1, 2], [-(2**63) - 1]], "max_tokens": 2}, "prompt[1]"),
     (CHAT, {"messages": MSG, "top_k": 2**63, "temperature": 1}, "top_k"),
     (CHAT, {"messages": MSG, "top_k": 1_000_000}, "top_k"),
     (CHAT, {"messages": MSG, "seed": -(2**63) - 1}, "seed"),
