@@ -76,7 +76,7 @@ def decode_step_times(runner: ModelRunner, batch: int, prompt_len: int, steps: i
         chunks = decode_chunks(seqs)
         step = build_step(step_id, chunks, BLOCK)
         started = time.perf_counter()
-        sampled = worker.run(step)  # (ends with the logits' copy: synchronous)
+        sampled = worker.run(step)  # (ends with a copy to the host: synchronous)
         times.append(time.perf_counter() - started)
         apply_step(chunks, step, sampled)
         step_id += 1

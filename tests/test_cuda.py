@@ -9,6 +9,7 @@ default model cannot travel to a GPU machine), else the default model."""
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -50,13 +51,20 @@ def cuda_model_dir(request) -> str:
     return CUDA_MODEL_DIR or request.getfixturevalue("smollm2_dir")
 
 
-def loom_ids(url: str, prompt: str) -> list[int]:
+def loom_choice(url: str, prompt: str, **extra) -> dict:
     r = httpx.post(url + "/v1/completions", json={
-        "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0,
-        "return_tokens_as_token_ids": True}, timeout=120)
+        "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, **extra}, timeout=120)
     assert r.status_code == 200, r.text
-    return [int(t.removeprefix("token_id:"))
-            for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    return r.json()["choices"][0]
+
+
+def loom_ids(url: str, prompt: str) -> list[int]:
+    choice = loom_choice(url, prompt, logprobs=0, return_tokens_as_token_ids=True)
+    return token_ids(choice)
+
+
+def token_ids(choice: dict) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
 
 
 @needs_cuda
@@ -66,8 +74,25 @@ def test_float32_on_the_gpu_equals_transformers_token_for_token(cuda_model_dir, 
     srv = start_server(cuda_model_dir, "--device", "cuda", "--dtype", "float32",
                        *([] if graphs else ["--enforce-eager"]))
     try:
+        texts = {}
         for p in PROMPTS:
-            assert loom_ids(srv.url, p) == expected[p], p
+            choice = loom_choice(srv.url, p, logprobs=0, return_tokens_as_token_ids=True)
+            assert token_ids(choice) == expected[p], p
+            texts[p] = choice["text"]
+        # Alone, with no log probabilities: every step's row is plain greedy (with graphs,
+        # its argmax is taken on the device); the text is the verified ids' text.
+        for p in PROMPTS:
+            assert loom_choice(srv.url, p)["text"] == texts[p], p
+        # Batched and mixed: a replayed step whose rows are all plain greedy takes their
+        # argmax on the device; rows asking log probabilities, and a sampled row, take the
+        # host's path. Each plain row's text equals its twin's that asked log probabilities.
+        with ThreadPoolExecutor(2 * len(PROMPTS) + 1) as pool:
+            with_ids = {p: pool.submit(loom_choice, srv.url, p, logprobs=0) for p in PROMPTS}
+            plain = {p: pool.submit(loom_choice, srv.url, p) for p in PROMPTS}
+            sampled = pool.submit(loom_choice, srv.url, PROMPTS[0], temperature=1.0, seed=1)
+        for p in PROMPTS:
+            assert plain[p].result()["text"] == with_ids[p].result()["text"], p
+        assert sampled.result()["text"]
         assert "cuda" in srv.log()
         assert ("CUDA graphs of the decode step captured" in srv.log()) == graphs
     finally:

@@ -19,6 +19,13 @@ def adjusts_logits(state: RequestSamplingState) -> bool:
         (state.stop_ids is not None and state.params.min_new_tokens > 0)
 
 
+def greedy_as_is(state: RequestSamplingState) -> bool:
+    """Whether this request's next token is its raw logits' argmax: greedy, with nothing
+    adjusting or constraining its row and no log probabilities asked."""
+    return state.params.is_greedy and state.matcher is None and not state.logprobs \
+        and not adjusts_logits(state)
+
+
 def process_logits(logits: torch.Tensor, states: list[RequestSamplingState],
                    failed: dict[int, str] | None = None) -> torch.Tensor:
     """Adjust `logits` [B, V] (float32) in place for the requests that asked for it. A row

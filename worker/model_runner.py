@@ -43,7 +43,7 @@ from worker.device import (
     resolve_dtype,
 )
 from worker.fused_decode import FusedDecode
-from worker.logits_processors import adjusts_logits, process_logits
+from worker.logits_processors import adjusts_logits, greedy_as_is, process_logits
 from worker.logprobs import pack_logprobs, plan_echo, resolve_echo, token_logprobs
 from worker.lora import LoRASlots, adapter_dtype
 from worker.models.registry import model_class
@@ -295,7 +295,8 @@ class ModelRunner:
             logits = self.graphs.run(step, fed_tokens(contexts))
             if len(sample_seqs) < len(contexts):  # (a failed sequence's row left out)
                 logits = logits[torch.from_numpy(sample_seqs).to(logits.device)]
-            return None, ModelOutputs(next_token_logits=logits.cpu()), sample_seqs, None, None
+            # (left on the device: `_sample` takes greedy rows' argmax there)
+            return None, ModelOutputs(next_token_logits=logits), sample_seqs, None, None
         extra = {"step": step} if self.model_reads_step else {}
         if len(verify_rows) and self._verifies_as_decodes(step, echo_plans, with_lora, extra):
             kv = self.kv_manager.inputs(*rows_as_decodes(step), contexts)
@@ -417,6 +418,17 @@ class ModelRunner:
         whole = len(sample_seqs) == len(logit_seqs)
         at = np.arange(len(sample_seqs)) if whole else np.searchsorted(logit_seqs, sample_seqs)
         logits = outputs.next_token_logits
+        if not logits.is_cpu:  # (a replayed CUDA graph's logits)
+            if not failed and all(map(greedy_as_is, batch_states)):
+                # Only the tokens cross to the host, not [B, V] float32 logits (64 x 49,152:
+                # 12.6 MB a step) for an argmax on the CPU.
+                rows = logits if whole else logits[torch.from_numpy(at).to(logits.device)]
+                tokens = rows.argmax(dim=-1).cpu()
+                out.sampled_token_ids[sample_seqs] = tokens.numpy()
+                for st, token in zip(batch_states, tokens.tolist()):
+                    st.output_tokens.append(token)
+                return
+            outputs.next_token_logits = logits = logits.cpu()
         logits = logits if whole else logits[torch.from_numpy(at)]
         # Log probabilities are of the raw logits: sampling adjusts a copy when they are asked.
         logits = logits.clone() if any(top_n) and whole else logits
