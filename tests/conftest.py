@@ -52,6 +52,16 @@ def gguf_oracle():
     return GGUFOracle(find_gguf())
 
 
+@pytest.fixture(scope="session")
+def gemma3_oracle():
+    """transformers loading Gemma 3 270M's GGUF file (float32): the oracle of the modules
+    that serve it, loaded once (~4 s)."""
+    from pipelines.checkpoint.default_model import gemma3_gguf
+    from tests.gguf_oracle import GGUFOracle
+
+    return GGUFOracle(gemma3_gguf())
+
+
 
 
 @pytest.fixture(scope="session")

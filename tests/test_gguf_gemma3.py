@@ -45,7 +45,6 @@ if _MISSING:
 import torch  # noqa: E402
 
 from tests.gguf_oracle import (  # noqa: E402
-    GGUFOracle,
     check_against_oracle,
     generate,
     oracle_choices,
@@ -89,8 +88,8 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def oracle(gguf_path):
-    return GGUFOracle(gguf_path)
+def oracle(gemma3_oracle):
+    return gemma3_oracle
 
 
 @pytest.fixture(scope="module")

