@@ -403,7 +403,7 @@ def resolve_model(cfg: PipelineConfig) -> PipelineConfig:
     cfg = resolve_draft_model(cfg, tokenizer, max_length)
     budget = cfg.max_batch_input_tokens
     if not cfg.enable_chunked_prefill:  # (a whole prompt in one step)
-        budget = max(budget, max_length)
+        budget = max(budget or 0, max_length)
     return cfg.replace(max_length=max_length, tokenizer=tokenizer, max_batch_input_tokens=budget)
 
 

@@ -14,6 +14,7 @@
 #                 sequential generate() (bench/gpu_steps.py), on the 1B-shaped one
 #   serve_graphs  `loom serve --device cuda` under bench.run at c=1/16/64
 #   serve_eager   the same with --enforce-eager
+#   serve_tokens_N  serve_graphs with a step budget of N tokens (--max-num-batched-tokens N)
 set -u
 RESULT=${OUT:-/tmp/gpu-check}  # gets one archive of everything (a device run returns few files)
 OUT=/tmp/gpu-check-work
@@ -68,6 +69,8 @@ for s in $STAGES; do
         --out "$OUT/serve_graphs.json" ;;
     serve_eager) stage serve_eager 90 $PY -m bench.run "${LOAD[@]}" \
         --serve-args "$SERVE --enforce-eager" --out "$OUT/serve_eager.json" ;;
+    serve_tokens_*) stage "$s" 90 $PY -m bench.run "${LOAD[@]}" --serve-args \
+        "$SERVE --max-num-batched-tokens ${s#serve_tokens_}" --out "$OUT/$s.json" ;;
     esac
 done
 cp -f /tmp/loom-test-server-*.log "$OUT/" 2>/dev/null

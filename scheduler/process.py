@@ -115,6 +115,10 @@ class SchedulerLoop:
         if self.kv_publisher is not None:
             # A subscriber may still hold blocks of this endpoint's previous process.
             self.kv_publisher.publish([AllBlocksCleared()])
+        if self.pipeline_config.max_batch_input_tokens is None and ready.max_batch_input_tokens:
+            # (unset: the default of the worker's device, which only the worker knows)
+            self.pipeline_config = self.pipeline_config.replace(
+                max_batch_input_tokens=ready.max_batch_input_tokens)
         self.arbiter = Arbiter.for_worker(self.pipeline_config, ready, blocks)
         self.responses.send(self.encode(SchedulerReady(
             num_blocks=ready.num_blocks, block_size=ready.block_size,

@@ -52,7 +52,9 @@ class Scheduler:
         if pipeline_config.model_config.max_length is None:
             raise ValueError("the scheduler needs the resolved context length (max_length)")
         self.max_batch_size = pipeline_config.max_batch_size
-        self.max_batch_input_tokens = pipeline_config.max_batch_input_tokens
+        # (Unset: the worker's device's default, which SchedulerLoop.start puts in the config
+        # from WorkerReady; a scheduler made in process is a CPU's.)
+        self.max_batch_input_tokens = pipeline_config.batch_input_tokens_on("cpu")
         self.enable_chunked_prefill = pipeline_config.enable_chunked_prefill
         lora = pipeline_config.lora_config
         self.max_num_loras = lora.max_num_loras if lora.enable_lora else 0

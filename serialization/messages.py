@@ -289,6 +289,8 @@ class WorkerReady(msgspec.Struct, tag=True):
     max_model_len: int
     eos_token_ids: list[int]
     task: PipelineTask = PipelineTask.TEXT_GENERATION
+    # The step's token budget for the worker's device (`batch_input_tokens_on`; 0: none).
+    max_batch_input_tokens: int = 0
     voices: list[str] = []  # speech voices the worker serves (empty: no speech)
     sample_rate: int = 0
     speech_task: PipelineTask = PipelineTask.AUDIO_GENERATION  # (as SchedulerReady's)

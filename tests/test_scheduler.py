@@ -1,6 +1,7 @@
 """Scheduling policy, driven without processes: a fake model returns token 1000+step."""
 
 import numpy as np
+import pytest
 
 from pipelines import GenerationStatus, SamplingParams, TextContext
 from pipelines.config import PipelineConfig
@@ -225,3 +226,37 @@ def test_a_cancelled_speech_token_request_frees_its_kv_blocks():
     arbiter.abort({"s"})
     assert text.scheduler.blocks.num_free_blocks == free
     assert not text.has_work and not speech.has_work and not speech.owns("s")
+
+
+@pytest.mark.parametrize("given,device_default,expected", [
+    (None, 512, 512), (None, 2048, 2048), (300, 2048, 300)])
+def test_an_unset_step_budget_is_the_workers_device_default(tmp_path, given, device_default,
+                                                              expected):
+    """--max-num-batched-tokens unset: the default of the device the worker runs on (512 on
+    a CPU, 2048 on a GPU), which the worker reports in WorkerReady and the scheduler loop
+    steps by; given: the flag's, whatever the device."""
+    import zmq
+
+    from processes.sockets import Endpoints, make_socket
+    from scheduler.process import SchedulerLoop
+    from serialization.messages import WorkerReady
+
+    config = PipelineConfig().replace(max_length=4096, max_batch_input_tokens=given)
+    assert config.batch_input_tokens_on("cpu") == (given or 512)
+    assert config.batch_input_tokens_on("cuda") == (given or 2048)
+    endpoints = Endpoints.ipc(str(tmp_path))
+    loop = SchedulerLoop(config, endpoints)
+    api = zmq.Context()  # (SchedulerReady needs a reader)
+    responses = make_socket(api, zmq.PULL, endpoints.responses, bind=False)
+    try:
+        loop.start(WorkerReady(num_blocks=512, block_size=16, max_model_len=4096,
+                               eos_token_ids=[2], max_batch_input_tokens=device_default))
+        assert responses.poll(5000)  # (SchedulerReady)
+        scheduler = loop.arbiter.text.scheduler
+        assert scheduler.max_batch_input_tokens == expected
+        scheduler.add_request(ctx(3000, 8, rid="long"))
+        step = scheduler.schedule()
+        assert step.batch.query_lens.tolist() == [expected]  # (the prompt's first chunk)
+    finally:
+        loop.close()
+        api.destroy(linger=0)

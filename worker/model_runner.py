@@ -73,7 +73,6 @@ class ModelRunner:
         model, kv = pipeline_config.model_config, pipeline_config.kv_cache_config
         model_path, block_size = model.model_path, kv.kv_cache_page_size
         self.max_batch_size = pipeline_config.max_batch_size  # (sizes the default KV cache)
-        self.max_batch_input_tokens = pipeline_config.max_batch_input_tokens  # (profiling)
         self.kv_cache_memory = kv.kv_cache_memory
         self.device_memory_utilization = kv.device_memory_utilization
         self.cuda_graphs = pipeline_config.device_config.cuda_graphs
@@ -81,6 +80,7 @@ class ModelRunner:
         architectures = load_architectures(pipeline_config.custom_architectures)
         self.config = load_model_config(model_path, any_architecture=bool(architectures))
         self.device = rank_device(pipeline_config.devices, rank)
+        self.max_batch_input_tokens = pipeline_config.batch_input_tokens_on(self.device.type)
         self.dtype = resolve_dtype(model.dtype, self.device)
         self.quantization = _quantization_on(self.device, model.quantization_encoding)
         if self.device.type != "cpu" and self.config.vision is not None:

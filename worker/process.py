@@ -286,7 +286,8 @@ def _ready_message(runner, task: PipelineTask, speech) -> WorkerReady:
         return WorkerReady(num_blocks=0, block_size=0, max_model_len=0, eos_token_ids=[],
                            task=task)
     ready = WorkerReady(num_blocks=runner.num_blocks, block_size=runner.block_size,
-                        max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids)
+                        max_model_len=runner.max_model_len, eos_token_ids=runner.eos_token_ids,
+                        max_batch_input_tokens=runner.max_batch_input_tokens)
     if speech is not None:
         ready.voices, ready.sample_rate = [speech.voice_id], speech.sample_rate
         ready.speech_task = speech.speech_task
