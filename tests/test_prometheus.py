@@ -24,7 +24,7 @@ def prometheus(tmp_path, tiny_server):
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "global:\n  scrape_interval: 250ms\n  evaluation_interval: 250ms\n"
         "scrape_configs:\n  - job_name: loom\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{loom.port}']\n")
     proc = subprocess.Popen(
@@ -58,7 +58,7 @@ def test_prometheus_reads_ttft_quantile(prometheus):
     # Let Prometheus take a first scrape before the traffic, so rate() sees the increase.
     deadline = time.monotonic() + 20
     while not query(prom, 'up{job="loom"} == 1') and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.25)
     before = sample_or_zero(httpx.get(loom.url + "/metrics").text, "loom:request_success_total",
                             finished_reason="length", model_name="tiny")
     for i in range(12):
@@ -74,7 +74,7 @@ def test_prometheus_reads_ttft_quantile(prometheus):
         if result and not math.isnan(float(result[0]["value"][1])):
             value = float(result[0]["value"][1])
             break
-        time.sleep(1)
+        time.sleep(0.25)
     assert 0 < value < 5, value
     # The quantile can appear from a scrape taken mid-traffic; wait for a scrape after the last
     # request before reading the counter.
@@ -86,5 +86,5 @@ def test_prometheus_reads_ttft_quantile(prometheus):
         finished = float(result[0]["value"][1]) if result else 0.0
         if finished >= before + 12:
             break
-        time.sleep(0.5)
+        time.sleep(0.25)
     assert finished == before + 12
