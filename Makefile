@@ -12,9 +12,12 @@ PORT ?= 8000
 serve: model
 	$(BIN)/loom serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# (No pytest plugin is auto-loaded: the suite uses none, and the test extras bring four,
+# langsmith's, hypothesis', schemathesis' and anyio's, which pytest would import with ~500
+# of their modules rewritten for its assertions: ~3 s a run.)
 test: model test-tools
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Prometheus test scrapes Loom with a real Prometheus server, and the web chat's test drives
 # headless Chromium: install Debian's packages when possible (root with apt-get); otherwise
