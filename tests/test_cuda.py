@@ -94,6 +94,7 @@ def test_float32_on_the_gpu_equals_transformers_token_for_token(cuda_model_dir, 
             assert plain[p].result()["text"] == with_ids[p].result()["text"], p
         assert sampled.result()["text"]
         assert "cuda" in srv.log()
+        assert "steps of up to 2048 tokens" in srv.log()  # (a GPU's default budget)
         assert ("CUDA graphs of the decode step captured" in srv.log()) == graphs
     finally:
         assert srv.stop() == 0

@@ -84,6 +84,7 @@ def server(shared_server, smollm2_dir):
 
 def test_alone(server, oracle):
     check_all(server.url, oracle, concurrent=False)
+    assert "steps of up to 512 tokens" in server.log()  # (a CPU's default budget)
 
 
 def test_concurrent_requests_share_batches(server, oracle):

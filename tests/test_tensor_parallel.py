@@ -219,7 +219,7 @@ def test_split_model_chunked_prefill_and_preemption(split_server, split_runs,
     results, preempted = split_runs[1]
     check_results(results, oracle)
     assert preempted > 0
-    assert re.search(r"= 8 blocks x 16", split_server.log())
+    assert re.search(r"= 8 blocks x 16 = 128 tokens; steps of up to 5 tokens", split_server.log())
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

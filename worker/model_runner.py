@@ -152,11 +152,11 @@ class ModelRunner:
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
             "model %s (%s, %s, %s) loaded in %.1fs; KV cache %.2f GiB = %d blocks x %d = %d "
-            "tokens", model_path, self.config.architecture,
+            "tokens; steps of up to %d tokens", model_path, self.config.architecture,
             _weights_name(self.quantization, self.dtype), self.device,
             time.monotonic() - started,
             kv_bytes / (1 << 30), self.num_blocks, block_size,
-            self.num_blocks * block_size,
+            self.num_blocks * block_size, self.max_batch_input_tokens,
         )
 
     def _lora_slots(self, pipeline_config: PipelineConfig) -> LoRASlots | None:
