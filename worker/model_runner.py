@@ -423,10 +423,7 @@ class ModelRunner:
                 # Only the tokens cross to the host, not [B, V] float32 logits (64 x 49,152:
                 # 12.6 MB a step) for an argmax on the CPU.
                 rows = logits if whole else logits[torch.from_numpy(at).to(logits.device)]
-                tokens = rows.argmax(dim=-1).cpu()
-                out.sampled_token_ids[sample_seqs] = tokens.numpy()
-                for st, token in zip(batch_states, tokens.tolist()):
-                    st.output_tokens.append(token)
+                keep_tokens(out, sample_seqs, batch_states, rows.argmax(dim=-1).cpu(), {})
                 return
             outputs.next_token_logits = logits = logits.cpu()
         logits = logits if whole else logits[torch.from_numpy(at)]
@@ -451,10 +448,7 @@ class ModelRunner:
         if any(top_n):
             logprobs = self._logprobs(inputs, outputs, at, len(logit_seqs), tokens, top_n,
                                       errors, width)
-        out.sampled_token_ids[sample_seqs] = tokens.numpy()
-        for j, (st, token) in enumerate(zip(batch_states, tokens.tolist())):
-            if j not in errors:
-                st.output_tokens.append(token)
+        keep_tokens(out, sample_seqs, batch_states, tokens, errors)
         if logprobs is not None:
             out.logprob_seqs = [int(sample_seqs[j]) for j, n in enumerate(top_n) if n > 0]
             out.sampled_logprobs = logprobs
@@ -559,6 +553,16 @@ class ModelRunner:
                 failed.setdefault(plan.seq, f"prompt log probabilities: {describe(exc)}")
             offset += n
         return results
+
+
+def keep_tokens(out: StepResult, sample_seqs: np.ndarray, states: list[RequestSamplingState],
+                tokens: torch.Tensor, errors: dict[int, str]) -> None:
+    """The step's drawn tokens into its result, and each request's own but a failed row's
+    (`errors`: rows of this batch)."""
+    out.sampled_token_ids[sample_seqs] = tokens.numpy()
+    for j, (state, token) in enumerate(zip(states, tokens.tolist())):
+        if j not in errors:
+            state.output_tokens.append(token)
 
 
 def verify_proposals(logits: torch.Tensor, drafts: list[int], state: RequestSamplingState,
