@@ -39,7 +39,8 @@ SWAP = ("import ctypes, os, sys, worker.kernels as k\n"
 def load(cache, script=LOAD, **env):
     """(path of the library loaded or None, start-up summary line, stderr) in a fresh process."""
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("LOOM_DISABLE_KERNELS", "LOOM_KERNEL_MARCH", "LOOM_CACHE_DIR")}
+             if k not in ("LOOM_DISABLE_KERNELS", "LOOM_KERNEL_MARCH", "LOOM_KERNEL_CFLAGS",
+                          "LOOM_CACHE_DIR")}
     r = subprocess.run([sys.executable, "-c", script, KERNEL], cwd=ROOT, capture_output=True,
                        text=True, timeout=60,
                        env=dict(clean, PYTHONPATH=ROOT, LOOM_CACHE_DIR=str(cache), **env))
@@ -167,6 +168,19 @@ def test_no_compiler_is_one_clear_fallback_line(tmp_path):
     assert loaded is None
     assert summary == ("native kernels: fallback to PyTorch: cannot run the C compiler "
                        "/nonexistent/cc: No such file or directory")
+
+
+def test_extra_compiler_flags_are_a_build_of_their_own(cached):
+    """LOOM_KERNEL_CFLAGS reaches the compiler, after its own flags, and is part of the cache
+    key: the default library is not reused for such a build, nor such a build for the default."""
+    cache, default = cached
+    loaded, summary, _ = load(cache, LOOM_KERNEL_CFLAGS="--no-such-flag")
+    assert loaded is None and "fallback to PyTorch" in summary  # (gcc refused the flag)
+    flagged, summary, _ = load(cache, LOOM_KERNEL_CFLAGS="-O1 -g")
+    assert flagged and flagged != default
+    assert "1 built" in summary and " -O1 -g, in " in summary, summary
+    again, summary, _ = load(cache)
+    assert again == default and "1 loaded from cache" in summary
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 baselines")

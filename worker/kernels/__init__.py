@@ -14,6 +14,10 @@ loaded from (/proc/self/fd), so what runs is what was checked, whatever happens 
 `LOOM_KERNEL_MARCH` (default `native`) is the `-march` the kernels are built for: an image
 builds them once for a stated baseline (e.g. `x86-64-v3`) and ships them without a compiler;
 on a CPU below that baseline they are rebuilt for the CPU at hand (or PyTorch runs).
+`LOOM_KERNEL_CFLAGS` (default empty) is appended to the compiler's flags, so it wins over them:
+`-O0 -g` to step through a kernel in gdb, `-fsanitize=address`, or `-O1` where the build's
+time matters more than the kernels' speed (the packaging test). The flags are part of the
+cache key: such a build is never mistaken for the default one.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import stat
 import subprocess
@@ -75,7 +80,9 @@ def load_kernel(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     # Every source of the directory is part of the key (a kernel may #include another), and
     # so is the target: -march=native code built on another CPU (a shared home directory)
     # could use instructions this one lacks.
-    digest = hashlib.sha256(_sources_digest() + _target_identity(march) + repr(defines).encode())
+    extra = _extra_cflags()  # (none: the key of every default build so far, unchanged)
+    digest = hashlib.sha256(_sources_digest() + _target_identity(march) + repr(defines).encode()
+                            + (repr(extra).encode() if extra else b""))
     filename = f"{name}-{digest.hexdigest()[:16]}.so"
     try:
         target = os.path.join(_library_dir(), filename)
@@ -129,8 +136,8 @@ def startup_summary() -> tuple[int, str]:
         parts.append(f"{built} built in {_build_seconds[0]:.1f}s")
     if cached:
         parts.append(f"{cached} loaded from cache")
-    line = (f"native kernels: {', '.join(parts)} (-march={_target_march()}, "
-            f"in {' and '.join(sorted(_places))})")
+    flags = " ".join([f"-march={_target_march()}", *_extra_cflags()])
+    line = f"native kernels: {', '.join(parts)} ({flags}, in {' and '.join(sorted(_places))})"
     if failed:
         return logging.WARNING, (f"{line}; fallback to PyTorch for {', '.join(sorted(failed))}: "
                                  f"{_first(failed)}")
@@ -179,6 +186,10 @@ def _target_march() -> str:
                    " ".join(sorted(missing)) or "x86-64")
         return "native"
     return march
+
+
+def _extra_cflags() -> list[str]:
+    return shlex.split(os.environ.get("LOOM_KERNEL_CFLAGS", ""))
 
 
 def _target_identity(march: str) -> bytes:
@@ -363,8 +374,8 @@ def _compile(source: str, target: str, defines: tuple[str, ...] = (),
         # the machine's SIMD width (or LOOM_KERNEL_MARCH's, for a library built to ship).
         try:
             subprocess.run([compiler, "-O3", f"-march={march}", "-ffast-math", "-fopenmp",
-                            "-shared", "-fPIC", *(f"-D{d}" for d in defines), source, "-o",
-                            tmp, "-lm"], check=True, capture_output=True)
+                            "-shared", "-fPIC", *(f"-D{d}" for d in defines), *_extra_cflags(),
+                            source, "-o", tmp, "-lm"], check=True, capture_output=True)
         except FileNotFoundError as exc:  # CC names a compiler that is not there
             raise OSError(f"cannot run the C compiler {compiler}: {exc.strerror}") from None
         # The linker creates its output with the umask's mode: a group-writable umask would
