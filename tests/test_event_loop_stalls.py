@@ -2,6 +2,7 @@
 or served while `/live` keeps answering within 200 ms and an honest request finishes; the
 Responses store is bounded by the memory it takes."""
 
+import gc
 import json
 import threading
 import time
@@ -93,14 +94,23 @@ class Attack(threading.Thread):
 
 
 def live_latencies(server, attack: Attack | None, at_least: int = 50) -> list[float]:
-    """GET /live every ~20 ms while the attack runs (and at least `at_least` times)."""
+    """GET /live every ~20 ms while the attack runs (and at least `at_least` times).
+
+    This process' garbage collector is off meanwhile: by the time the suite gets here the
+    test process holds every test module's imports (a million objects, torch, transformers,
+    litellm, diffusers...), and one full collection of them stalls it 0.5-0.8 s, which the
+    probe in flight would count against the server."""
     out = []
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        while len(out) < at_least or (attack is not None and attack.is_alive()):
-            started = time.perf_counter()
-            assert client.get("/live").status_code == 200
-            out.append(time.perf_counter() - started)
-            time.sleep(0.02)
+    gc.disable()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while len(out) < at_least or (attack is not None and attack.is_alive()):
+                started = time.perf_counter()
+                assert client.get("/live").status_code == 200
+                out.append(time.perf_counter() - started)
+                time.sleep(0.02)
+    finally:
+        gc.enable()
     return out
 
 
