@@ -3,12 +3,17 @@ api_base), as its documentation shows: a forced tool whose parameters nest a mod
 pydantic response_format, and a streamed forced call."""
 
 import json
+import os
 
-import litellm
-import openai
-import pytest
+# LiteLLM fetches its model price list from GitHub as it is imported (and retries for seconds
+# where there is no network); its own switch keeps it to the copy it ships.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from tests.client_models import MODEL, Address, Person
+import litellm  # noqa: E402
+import openai  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.client_models import MODEL, Address, Person  # noqa: E402
 
 TOOL = openai.pydantic_function_tool(Person, name="save_person")
 ASK = [{"role": "user", "content": "Save Ann, who lives in Paris."}]
