@@ -281,9 +281,11 @@ class ModelRunner:
 
     def _forward(self, step: StepBatch, contexts: list[TextContext], sample_seqs: np.ndarray,
                  echo_plans: list, verify_seqs: np.ndarray, with_lora: bool = False) -> tuple:
-        """The model's outputs for the step (on the host): (inputs, outputs, the sequence of
-        each next_token_logits row, the echo plans' rows' logits, the rows' logits before
-        each verifying sequence's last: one per proposed token).
+        """The model's outputs for the step: (inputs, outputs, the sequence of each
+        next_token_logits row, the echo plans' rows' logits, the rows' logits before each
+        verifying sequence's last: one per proposed token). On the host, except a GPU's
+        next_token_logits when no row echoes or verifies: `_sample` takes plain greedy rows'
+        argmax on the device and brings the rest over itself.
 
         Loom's own models compute only the rows read (`PagedModelInputs.narrow`: the sampling
         sequences' last rows, then the echo rows, then the verifying rows), and their
@@ -316,7 +318,9 @@ class ModelRunner:
         fused = getattr(self.model, "fused_decode", None)
         if fused is not None and self.loras is not None:  # (it adds the deltas in C)
             fused.row_slots = self.loras.row_slots if with_lora else None
-        outputs = self.model.execute(inputs).to_host()
+        outputs = self.model.execute(inputs)
+        if every_row:  # (echo and verification read their rows on the host)
+            outputs = outputs.to_host()
         if narrowed:
             num_echo = sum(len(r) for r in echo_rows)
             rest = outputs.logits  # (None when no row follows the sampled ones)
@@ -418,7 +422,7 @@ class ModelRunner:
         whole = len(sample_seqs) == len(logit_seqs)
         at = np.arange(len(sample_seqs)) if whole else np.searchsorted(logit_seqs, sample_seqs)
         logits = outputs.next_token_logits
-        if not logits.is_cpu:  # (a replayed CUDA graph's logits)
+        if not logits.is_cpu:  # (a GPU's: a replayed CUDA graph's, or an eager step's)
             if not failed and all(map(greedy_as_is, batch_states)):
                 # Only the tokens cross to the host, not [B, V] float32 logits (64 x 49,152:
                 # 12.6 MB a step) for an argmax on the CPU.
