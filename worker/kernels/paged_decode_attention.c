@@ -44,6 +44,16 @@
 #define ATTN_AVX2 1
 #endif
 #define ATTN_INLINE static inline __attribute__((always_inline))
+/* K/V rows are prefetched into L2 (prefetcht2), not L1. A prefetch into L1 holds one of the
+ * core's few L1 miss buffers until its line arrives, so a burst of them (a K row is 12 lines
+ * here, and 8 rows' K and V go out at once) stalls the loop as demand misses would; into L2
+ * the loop runs on and its loads then hit L2. Measured on a 2-core AVX-512 EPYC (Zen 4), 30
+ * layers' K/V cold (`python -m bench.decode_attention`), 2 threads: 1.25-1.35x faster at
+ * batch 1 x 2048 tokens and batch 16 x 256 than L1 for K and the V pass (docs/performance.md).
+ * LOOM_KERNEL_CFLAGS=-DATTN_PREFETCH_LOCALITY=3 builds the L1 form to compare. */
+#ifndef ATTN_PREFETCH_LOCALITY
+#define ATTN_PREFETCH_LOCALITY 1
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = ((uint32_t)x) << 16;
@@ -328,15 +338,17 @@ static void NAME##_chunks(const T *k_cache, const T *v_cache, const int32_t *tab
     }                                                                                        \
     /* scores: whole K rows (every kv head) of 8 positions at a time, each kv head's vector  \
      * against each of its query heads of every row. The K and V rows 16 positions ahead are \
-     * prefetched (V into L2: the chunk's V pass comes next and then hits the cache). K/V    \
-     * come from memory, not the caches, in a step: 8 rows ahead and V unprefetched left     \
-     * this loop ~1.2x slower (bench.decode_attention, docs/performance.md). */              \
+     * prefetched into L2 (the chunk's V pass comes next and then hits it). K/V come from   \
+     * memory, not the caches, in a step: 8 rows ahead and V unprefetched left this loop     \
+     * ~1.2x slower (bench.decode_attention, docs/performance.md). */                        \
     for (int t = 0; t < span; t += 8) {                                                      \
         const int tokens = span - t < 8 ? span - t : 8;                                      \
         for (int u = t + 16; u < t + 24 && u < span; u++)                                    \
             for (int64_t b = 0; b < row * (int64_t)sizeof(T); b += 64) {                     \
-                __builtin_prefetch((const char *)(k_cache + slots[u] * row) + b, 0, 3);      \
-                __builtin_prefetch((const char *)(v_cache + slots[u] * row) + b, 0, 2);      \
+                __builtin_prefetch((const char *)(k_cache + slots[u] * row) + b, 0,          \
+                                   ATTN_PREFETCH_LOCALITY);                                  \
+                __builtin_prefetch((const char *)(v_cache + slots[u] * row) + b, 0,          \
+                                   ATTN_PREFETCH_LOCALITY);                                  \
             }                                                                                \
         for (int kvh = 0; kvh < num_kv_heads; kvh++) {                                       \
             const float *k[8];                                                               \
@@ -561,7 +573,8 @@ static void SUM_V_##S(const T *v, const int64_t *slots, int64_t row, int span, i
             const int len = span - t < 16 ? span - t : 16;                                   \
             for (int u = t + 16; u < t + 32 && u < span + ahead; u++) /* the next 16 rows */ \
                 for (int64_t b = 0; b < (int64_t)sizeof(*v) * head_dim; b += 64)          \
-                    __builtin_prefetch((const char *)(v + slots[u] * row) + b, 0, 3);        \
+                    __builtin_prefetch((const char *)(v + slots[u] * row) + b, 0,            \
+                                       ATTN_PREFETCH_LOCALITY);                              \
             for (int j = 0; j < m; j++) wt[j] = w[j] + t;                                    \
             for (int j = 0, tile = 0; tile < tiles; tile++) {                                \
                 const int W = (m - j + tiles - tile - 1) / (tiles - tile);                   \
