@@ -27,6 +27,9 @@ def build_parser(sub) -> argparse.ArgumentParser:
                    help="the server's --api-key (default: $OPENAI_API_KEY)")
     b.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
     b.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    b.add_argument("--prompt-seed", type=int, default=None,
+                   help="the prompts' seed (default: a fresh one per run, so a server kept up "
+                        "between runs meets no prompt it has cached; the JSON records it)")
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32],
                    help="load levels: streaming clients at once")
     b.add_argument("--requests-per-client", type=int, default=2,
@@ -57,10 +60,13 @@ def main(args) -> int:
         print("loom bench: error: --concurrency, --prompt-len and --output-len must be positive",
               file=sys.stderr)
         return 1
+    if args.prompt_seed is None:
+        from bench.prompts import run_seed
+        args.prompt_seed = run_seed()
     results = {"config": {"prompt_len": args.prompt_len, "output_len": args.output_len,
                           "concurrency": args.concurrency,
                           "requests_per_client": args.requests_per_client,
-                          "peer_name": args.peer_name},
+                          "peer_name": args.peer_name, "prompt_seed": args.prompt_seed},
                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         runs = [("server", args.url, args.model)]
@@ -97,8 +103,8 @@ async def drive(args, base_url: str, model: str, label: str) -> dict:
     cfg = LoadConfig(base_url=base_url, model=model, prompt_len=args.prompt_len,
                      output_len=args.output_len, concurrency=args.concurrency,
                      requests_per_client=args.requests_per_client,
-                     level_timeout=args.level_timeout)
-    prompts = PromptSource(cfg.prompt_len)
+                     level_timeout=args.level_timeout, prompt_seed=args.prompt_seed)
+    prompts = PromptSource(cfg.prompt_len, seed=cfg.prompt_seed)
     levels, samples = {}, {}
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4)
     async with http_client(limits=limits, timeout=httpx.Timeout(cfg.level_timeout + cfg.grace,

@@ -10,8 +10,8 @@ starts llama-server the way that comparison expects, on the default model's GGUF
   splits -c evenly across its slots, and each slot must hold its prompt and its output;
 - no web UI, and no port already in use (a server found listening there would be measured
   in its place);
-- a fresh one per `bench.run`: the harness sends the same prompts every run, and a
-  llama-server that has seen them answers from its prompt cache (TTFT of a cache hit);
+- a fresh one per `bench.run` (each run's prompts come from a seed of its own, so a kept
+  server meets none it has cached; a fresh one also starts with no other run's state);
 - always stopped: SIGTERM, then SIGKILL to the session it runs in, after --max-seconds, on
   Ctrl-C / SIGTERM / SIGHUP, or when Python dies (the CLI asks the kernel for it).
 

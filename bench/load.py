@@ -17,7 +17,7 @@ import httpx
 from bench.clean_runs import CleanRuns
 from bench.endpoint import http_client
 from bench.http_stream import StreamingConnection
-from bench.prompts import PromptSource
+from bench.prompts import SEED, PromptSource
 from bench.server_metrics import level_breakdown, scrape
 from bench.sse import RequestRecord, completion_body, stream_completion
 from bench.stats import percentile
@@ -35,6 +35,7 @@ class LoadConfig:
     min_requests: int = 4
     level_timeout: float = 600.0
     grace: float = 120.0
+    prompt_seed: int = SEED  # a run passes its own (bench/prompts.py's run_seed)
 
 
 def requests_for(cfg: LoadConfig, concurrency: int) -> int:
@@ -51,7 +52,7 @@ async def run_load(cfg: LoadConfig, levels: dict, log=print,
     `before_level(c)` and `after_level(c)` run (blocking) right before and after level c:
     the ceiling's batch c, side by side."""
     clean = clean or CleanRuns()
-    prompts = PromptSource(cfg.prompt_len)
+    prompts = PromptSource(cfg.prompt_len, seed=cfg.prompt_seed)
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.level_timeout + cfg.grace, connect=10.0)
     async with http_client(limits=limits, timeout=timeout) as client:

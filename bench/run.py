@@ -26,6 +26,7 @@ from bench.endpoint import NotLoopbackError, loopback_base_url, served_model
 from bench.environment import busy_warning, describe_environment
 from bench.interference import InterferenceMonitor
 from bench.plot import write_plot
+from bench.prompts import run_seed
 from bench.report import render, write_json
 
 
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens P")
+    p.add_argument("--prompt-seed", type=int, default=None,
+                   help="the served load's prompts (default: a fresh seed per run, so a server "
+                        "kept up between runs meets no prompt it has cached; the JSON records it)")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens N")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32],
                    help="load levels; also the ceiling's batch sizes")
@@ -228,7 +232,7 @@ def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = 
     cfg = LoadConfig(base_url=base_url, model=model, prompt_len=args.prompt_len,
                      output_len=args.output_len, concurrency=args.concurrency,
                      requests_per_client=args.requests_per_client,
-                     level_timeout=args.level_timeout)
+                     level_timeout=args.level_timeout, prompt_seed=args.prompt_seed)
     record["levels"] = {}
     asyncio.run(run_load(cfg, record["levels"], log=log, clean=clean, label=label,
                          before_level=before_level, after_level=after_level))
@@ -237,6 +241,8 @@ def drive(args, record: dict, clean: CleanRuns, model: str | None, label: str = 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.prompt_seed is None:
+        args.prompt_seed = run_seed()
     if args.prompt_len < 1 or args.output_len < 2 or min(args.concurrency) < 1:
         # One output token would leave no decode step to time, nor any inter-token latency.
         parser.error("--prompt-len must be >= 1, --output-len >= 2, --concurrency values >= 1")
@@ -336,7 +342,7 @@ def _config(args) -> dict:
             "level_timeout_s": args.level_timeout, "baseline_batch": args.baseline_batch,
             "baseline_requests": args.baseline_requests, "wait_idle_s": args.wait_idle,
             "retries": args.retries, "ttft_pairs": args.ttft_pairs, "peer_url": args.peer_url,
-            "peer_name": args.peer_name}
+            "peer_name": args.peer_name, "prompt_seed": args.prompt_seed}
 
 
 def _model_name(results: dict) -> str:

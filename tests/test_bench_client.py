@@ -167,3 +167,30 @@ def test_listening_pid_finds_this_process():
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         assert listening_pid(sock.getsockname()[1]) == os.getpid()
+
+
+def test_each_run_meets_no_prompt_an_earlier_run_left_in_the_cache(tiny_server):
+    """A served load draws its prompts from a seed of its own: a server kept up between runs
+    (a peer, often) answers no second run from its prefix cache, which would flatter that run
+    (bench/prompts.py). The same seed twice does hit the cache, so the check can fail."""
+    from bench.load import LoadConfig, run_load
+    from bench.prompts import PromptSource, prompt_ids, run_seed
+
+    def cache_hits() -> float:
+        text = httpx.get(tiny_server.url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("loom:prefix_cache_hits_total{"))
+
+    def run(seed: int) -> None:
+        cfg = LoadConfig(base_url=tiny_server.url, model="tiny", prompt_len=48, output_len=2,
+                         concurrency=[2], prompt_seed=seed)
+        asyncio.run(run_load(cfg, {}, log=lambda *_: None))
+
+    seed = run_seed()
+    assert PromptSource(48, seed=seed).next() == prompt_ids(0, 48, seed)  # the JSON's seed repeats it
+    run(seed)
+    before = cache_hits()
+    run(run_seed())
+    assert cache_hits() == before
+    run(seed)
+    assert cache_hits() >= before + 32  # (whole 16-token blocks of the repeated prompts)

@@ -161,6 +161,7 @@ def test_loom_bench_writes_json_and_plots_matching_its_table(client_server, tmp_
     with open(result) as f:
         results = json.load(f)
     assert results["server"]["model"] == "tiny"
+    assert isinstance(results["config"]["prompt_seed"], int)  # (repeats the run: --prompt-seed)
     assert set(results["server"]["samples"]) == {"1", "2"}
     rows = {int(cells[1]): cells for line in text.splitlines()
             if (cells := line.split()) and cells[0] == "loom" and cells[1].isdigit()}
