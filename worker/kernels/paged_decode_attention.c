@@ -155,6 +155,50 @@ static void score_tile8(const float *const *k, const float *q, float *out, int h
     }
 }
 
+/* W (1..3) queries' scores against the K vectors of 8 tokens, out[j][0 .. 8): score_tile8's
+ * arithmetic for each query (the same chains, the same trees), K loaded once for all W. Its
+ * 8 W accumulators, W query chunks and a K chunk need AVX-512's 32 registers (a row's 3 query
+ * heads per kv head: its scores ~1.4x faster than score_tile8 query by query). */
+#if defined(ATTN_AVX2) && defined(__AVX512VL__)
+ATTN_INLINE void score_tile8_w(const int W, const float *const *k, const float *const *q,
+                               float *const *out, const int head_dim) {
+    __m256 acc[3][8];
+    for (int j = 0; j < W; j++)
+        for (int u = 0; u < 8; u++) acc[j][u] = _mm256_setzero_ps();
+    for (int d = 0; d < head_dim; d += 8) {
+        __m256 qv[3];
+        for (int j = 0; j < W; j++) qv[j] = _mm256_loadu_ps(q[j] + d);
+        for (int u = 0; u < 8; u++) {
+            const __m256 kv = _mm256_loadu_ps(k[u] + d);
+            for (int j = 0; j < W; j++) acc[j][u] = _mm256_fmadd_ps(qv[j], kv, acc[j][u]);
+        }
+    }
+    for (int j = 0; j < W; j++) {
+        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[j][0], acc[j][1]),
+                                         _mm256_hadd_ps(acc[j][2], acc[j][3]));
+        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[j][4], acc[j][5]),
+                                         _mm256_hadd_ps(acc[j][6], acc[j][7]));
+        _mm256_storeu_ps(out[j], _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                                               _mm256_permute2f128_ps(t0, t1, 0x31)));
+    }
+}
+
+/* m queries (each query j: out[j][0 .. 8)) against 8 tokens' K, 3 at a time. */
+static void score_tile8_many(int m, const float *const *k, const float *const *q,
+                             float *const *out, int head_dim) {
+    int j = 0;
+    for (; j + 3 <= m; j += 3) score_tile8_w(3, k, q + j, out + j, head_dim);
+    if (m - j == 2) score_tile8_w(2, k, q + j, out + j, head_dim);
+    else if (m - j == 1) score_tile8_w(1, k, q + j, out + j, head_dim);
+}
+#define SCORE_TILE8_ALL(m, k, qs, outs, head_dim) score_tile8_many(m, k, qs, outs, head_dim)
+#define ATTN_TILE8_FROM 0 /* every group of 8 tokens, one row's 3 queries too */
+#else
+#define SCORE_TILE8_ALL(m, k, qs, outs, head_dim)                                            \
+    for (int j = 0; j < m; j++) score_tile8(k, qs[j], outs[j], head_dim)
+#define ATTN_TILE8_FROM 4 /* (16 registers: one row's queries stay with score_tile) */
+#endif
+
 /* V_TILE_##S: out[j][0 .. 8 C) += sum over t < span of w[j][t] v_t[0 .. 8 C), in order of t,
  * for W queries (W, C constants where inlined), v_t = v + slots[t] * row: W x C chains of
  * FMAs in registers (8 to 12: fewer wait on the FMA's latency; a verify step's 6 rows x 3
@@ -361,8 +405,8 @@ static void NAME##_chunks(const T *k_cache, const T *v_cache, const int32_t *tab
                     qs[m] = qf + ((int64_t)i * num_heads + h) * head_dim;                    \
                     outs[m++] = scores + ((int64_t)i * num_heads + h) * span + t;            \
                 }                                                                            \
-            if (tokens == 8 && m > 4) {                                                      \
-                for (int j = 0; j < m; j++) score_tile8(k, qs[j], outs[j], head_dim);         \
+            if (tokens == 8 && m > ATTN_TILE8_FROM) {                                        \
+                SCORE_TILE8_ALL(m, k, qs, outs, head_dim);                                   \
                 continue;                                                                    \
             }                                                                                \
             for (int u = 0; u < tokens; u += 2) {                                            \
