@@ -104,6 +104,14 @@ class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_memory: Annotated[int | None, Flag(
         "memory for the KV cache, e.g. 2GiB; default: 40%% of the RAM available after "
         "loading the weights, at most 4 GiB", parse=parse_size)] = None
+    # vLLM's --kv-cache-dtype. A bfloat16 cache under float32 activations (a GGUF model on the
+    # CPU): each K/V value is rounded once as it is stored; attention widens it as it reads.
+    kv_cache_dtype: Annotated[str, Flag(
+        "the KV cache's dtype: auto (bfloat16 beside a GGUF file's or --quantization int8's "
+        "blocks on the CPU, as llama.cpp's 16-bit cache; otherwise the activations': float32 "
+        "on the CPU, bfloat16 on a GPU), float32, or bfloat16 (half the memory per token and "
+        "half the bytes a decode step's attention reads)", names=("--kv-cache-dtype", "--cache-dtype"),
+        choices=("auto", "float32", "bfloat16"))] = "auto"
     device_memory_utilization: Annotated[float, Flag(
         "on a GPU, the fraction of its memory for weights, activations and the KV cache "
         "(sized from what is free after a profiling forward) unless --kv-cache-memory is given",

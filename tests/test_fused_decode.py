@@ -18,14 +18,19 @@ from worker.pipeline import feeding, run_step
 # qwen2: a qkv bias; qwen3: q/k norms; gemma3: q/k norms, four norms a layer of 1 + w, GELU,
 # sliding-window layers (a window of 8, shorter than most prompts below) with their own rotary
 # base; bfloat16: bf16 weights and cache, float32 activations; quantized: GGUF blocks of three
-# formats (QuantLinear) in place of the packed float32 projections
+# formats (QuantLinear) in place of the packed float32 projections; bf16 cache: quantized,
+# with --kv-cache-dtype bfloat16 (float32 activations, the fused step and the Python path
+# storing and reading the same rounded K/V)
 @pytest.fixture(scope="module", params=[("llama", "float32"), ("qwen2", "float32"),
                                         ("llama", "bfloat16"), ("llama", "quantized"),
                                         ("qwen2", "quantized"), ("qwen3", "float32"),
                                         ("gemma3", "float32"), ("gemma3", "quantized"),
-                                        ("gemma3", "bfloat16")])
+                                        ("gemma3", "bfloat16"), ("llama", "bf16 cache"),
+                                        ("gemma3", "bf16 cache")])
 def runner(request, smollm2_dir, tmp_path_factory):
     arch, dtype = request.param
+    kv_dtype = "bfloat16" if dtype == "bf16 cache" else "auto"
+    dtype = "quantized" if dtype == "bf16 cache" else dtype
     target = str(tmp_path_factory.mktemp(arch))
     if arch == "gemma3":
         from tests.test_gemma3 import make_tiny_gemma3
@@ -35,7 +40,9 @@ def runner(request, smollm2_dir, tmp_path_factory):
         path = make_tiny_checkpoint(target, smollm2_dir, architecture=arch, seed=3)
     runner = ModelRunner(PipelineConfig.for_model(
         path, dtype="float32" if dtype == "quantized" else dtype, kv_cache_page_size=4,
-        kv_cache_memory=8 << 20))
+        kv_cache_memory=8 << 20, kv_cache_dtype=kv_dtype))
+    assert runner.kv_cache.dtype == (torch.bfloat16 if kv_dtype == "bfloat16" or
+                                     dtype == "bfloat16" else torch.float32)
     if arch == "qwen3":  # transformers starts q/k norms at 1: a swapped pair would not show
         with torch.no_grad():
             for layer in runner.model.layers:

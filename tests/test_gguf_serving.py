@@ -52,9 +52,13 @@ def oracle(gguf_oracle):
     return gguf_oracle
 
 
-@pytest.fixture(scope="module")
-def server(gguf_path):
-    srv = start_server(gguf_path, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+# the KV cache in float32 (--kv-cache-dtype float32: the activations' dtype), and in bfloat16
+# (auto beside GGUF blocks: each K/V value rounded to 8 significant bits as stored), under the
+# same criterion
+@pytest.fixture(scope="module", params=["float32", "auto"], ids=["f32-cache", "bf16-cache"])
+def server(request, gguf_path):
+    srv = start_server(gguf_path, "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
+                       "--kv-cache-dtype", request.param)
     yield srv
     assert srv.stop() == 0
 

@@ -79,9 +79,8 @@ if _lib is not None:
 
 
 class FusedDecode:
-    def __init__(self, model, cache_dtype: torch.dtype) -> None:
+    def __init__(self, model) -> None:
         self.model = model
-        self.cache_dtype = cache_dtype  # float32, or bfloat16 beside packed bfloat16 weights
         cfg = model.config
         attn = model.layers[0].self_attn
         self.dims = _ModelDims(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -115,10 +114,9 @@ class FusedDecode:
             if not all(_native(m) for m in linears):
                 return None
             packed_dtypes.update(m.dtype for m in linears if isinstance(m, PackedLinear))
-        # The kernel takes one cache dtype: bfloat16 where bfloat16 weights are packed.
         if len(packed_dtypes) > 1 or not packed_dtypes <= {torch.float32, torch.bfloat16}:
             return None
-        return cls(model, packed_dtypes.pop() if packed_dtypes else torch.float32)
+        return cls(model)
 
     def use_lora(self, slots) -> None:
         """Apply the LoRA adapters of `slots` (a LoRASlots) to the rows of `row_slots`."""
@@ -142,9 +140,10 @@ class FusedDecode:
         `embeds` them): the embedding rows are looked up in the call. Returns the model's final
         norm (`final_norm`: the float32 factors it multiplies by) of the last layer's output,
         [T, hidden]: the rows the output layer reads."""
-        if kv_cache.dtype != self.cache_dtype:
-            raise TypeError(f"fused decode: built for a {self.cache_dtype} KV cache, given a "
-                            f"{kv_cache.dtype} one")
+        # (The cache's dtype is --kv-cache-dtype's, whatever the weights': the kernel reads and
+        # writes a float32 or bfloat16 one.)
+        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"fused decode: a float32 or bfloat16 KV cache, not {kv_cache.dtype}")
         layers = self._layer_weights(kv_cache)
         group = meta.groups[0]
         embedding, ids = None, None
@@ -155,7 +154,7 @@ class FusedDecode:
         residual = self._scratch(tokens)
         rc = _lib.loom_decode_layers(
             layers, len(self.model.layers), ctypes.byref(self.dims),
-            self.cache_dtype == torch.bfloat16, x.data_ptr(),
+            kv_cache.dtype == torch.bfloat16, x.data_ptr(),
             residual.data_ptr(), tokens, meta.positions.data_ptr(),
             meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
             group.seq_lens.data_ptr(), group.block_tables.shape[1],

@@ -37,6 +37,7 @@ from serialization.messages import (
 from worker.block_weights import load_block_weights, quantize_weights
 from worker.cuda_graphs import GRAPH_SAFE_ARCHITECTURES, SINK_BLOCKS, DecodeGraphs
 from worker.device import (
+    DTYPES,
     dtype_name,
     place_on,
     rank_device,
@@ -83,6 +84,8 @@ class ModelRunner:
         self.max_batch_input_tokens = pipeline_config.batch_input_tokens_on(self.device.type)
         self.dtype = resolve_dtype(model.dtype, self.device)
         self.quantization = _quantization_on(self.device, model.quantization_encoding)
+        self.kv_dtype = _kv_cache_dtype(kv.kv_cache_dtype, self.dtype, self.device,
+                                        self.quantization is not None)
         if self.device.type != "cpu" and self.config.vision is not None:
             raise ValueError(f"--device {self.device}: vision-language models run on the CPU "
                              f"for now (--device cpu)")
@@ -102,7 +105,7 @@ class ModelRunner:
         shard = self.tp.config(self.config) if self.tp else self.config
         self.model.session = self.device
         self.model.kv_params = KVCacheParams(
-            dtype=self.dtype, page_size=block_size, max_length=self.max_model_len,
+            dtype=self.kv_dtype, page_size=block_size, max_length=self.max_model_len,
             max_batch_size=self.max_batch_size,
             max_batch_input_tokens=self.max_batch_input_tokens, memory=self.kv_cache_memory,
             gpu_memory_utilization=self.device_memory_utilization, shard=shard,
@@ -727,6 +730,23 @@ def _tensor_parallel_plan(size: int, rank: int, config: ModelConfig,
         raise ValueError(f"--tensor-parallel-size: {config.architecture} is not split yet "
                          f"(text models of the Llama family and Gemma 3 are)")
     return ShardPlan.for_rank(config, rank, size)
+
+
+def _kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device,
+                    quantized: bool) -> torch.dtype:
+    """--kv-cache-dtype resolved. auto: bfloat16 beside quantized weights on the CPU (as
+    llama.cpp and vLLM serve a GGUF file, with a 16-bit cache: beside 4- to 8-bit weights its
+    rounding is the smaller error, and a decode step's attention reads half the bytes), else
+    the activations' dtype. A dtype other than the activations' runs on the CPU's attention
+    paths only (their kernels widen a bfloat16 cache as they read it); the GPU's Triton and
+    SDPA paths keep one dtype."""
+    if name == "auto":
+        return torch.bfloat16 if quantized and device.type == "cpu" else dtype
+    kv_dtype = DTYPES[name]
+    if kv_dtype != dtype and device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype {name}: on {device.type} the KV cache takes the "
+                         f"model's dtype ({dtype_name(dtype)}); leave it at auto")
+    return kv_dtype
 
 
 def _build_draft_model(pipeline_config: PipelineConfig, device: torch.device,
