@@ -9,13 +9,14 @@ import torch.nn.functional as F
 from worker.decode_attention import native_decode_available, paged_decode_attention
 
 
-def reference(q, k_cache, v_cache, tables, seq_lens, scale):
+def reference(q, k_cache, v_cache, tables, seq_lens, scale, window=0):
     out = []
     for i in range(q.shape[0]):
         n = int(seq_lens[i])
         blocks = tables[i, : -(-n // k_cache.shape[1])].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].float().transpose(0, 1)  # [KVH, n, D]
-        v = v_cache[blocks].flatten(0, 1)[:n].float().transpose(0, 1)
+        first = n - window if 0 < window < n else 0  # (a sliding window: the last `window`)
+        k = k_cache[blocks].flatten(0, 1)[first:n].float().transpose(0, 1)  # [KVH, n, D]
+        v = v_cache[blocks].flatten(0, 1)[first:n].float().transpose(0, 1)
         o = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=scale,
                                            enable_gqa=True)
         out.append(o.squeeze(1))
@@ -26,7 +27,9 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale):
                     reason="no C compiler: the PyTorch fallback is used")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_seqs", [1, 5])  # 1: fewer sequences than threads, split by head
-def test_native_kernel_matches_sdpa(dtype, tol, num_seqs):
+# a sliding window (Gemma 3's local layers): 1 token; within a block; across blocks and chunks
+@pytest.mark.parametrize("window", [0, 1, 10, 150])
+def test_native_kernel_matches_sdpa(dtype, tol, num_seqs, window):
     assert native_decode_available(dtype)
     torch.manual_seed(0)
     num_blocks, block_size, kv_heads, heads, dim = 80, 16, 3, 9, 64
@@ -37,8 +40,8 @@ def test_native_kernel_matches_sdpa(dtype, tol, num_seqs):
     q = torch.randn(5, heads, dim).to(dtype)
     q, tables, seq_lens = q[-num_seqs:].contiguous(), tables[-num_seqs:].contiguous(), \
         seq_lens[-num_seqs:].contiguous()
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
-    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125, window)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 

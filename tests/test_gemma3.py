@@ -246,6 +246,7 @@ def test_bfloat16_matches_float32_on_bf16_weights(smollm2_dir, tmp_path):
     with torch.no_grad():
         for i, p in enumerate(ids):
             ref = hf(torch.tensor([p])).logits[0, -1]
-            # (the native prefill kernel reads K/V rounded to bf16 by the cache; the
-            # sliding layers' PyTorch path reads the fresh prompts' float32 K/V)
-            torch.testing.assert_close(ours[i], ref, atol=3e-3, rtol=0)
+            # (the native prefill kernel, global and sliding layers alike, reads K/V rounded
+            # to bf16 by the cache, which transformers does not: up to ~1.2e-2 here, where
+            # the float32 cache's test above agrees to 1e-4)
+            torch.testing.assert_close(ours[i], ref, atol=2e-2, rtol=0)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from worker.prefill_attention import native_prefill_available, paged_prefill_attention
 
 
-def reference(q, k_cache, v_cache, tables, seq_lens, q_lens, first_rows, scale):
+def reference(q, k_cache, v_cache, tables, seq_lens, q_lens, first_rows, scale, window=0):
     out = torch.zeros(q.shape)
     block = k_cache.shape[1]
     for s in range(len(seq_lens)):
@@ -18,6 +18,8 @@ def reference(q, k_cache, v_cache, tables, seq_lens, q_lens, first_rows, scale):
         queries = q[r: r + m].transpose(0, 1)  # [H, m, D]
         positions = torch.arange(n - m, n)
         mask = torch.arange(n)[None, :] <= positions[:, None]  # causal, offset by the cache
+        if window:  # a sliding window: keys p - window < k <= p (Hugging Face's mask)
+            mask &= torch.arange(n)[None, :] > positions[:, None] - window
         o = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
         out[r: r + m] = o.transpose(0, 1)
@@ -30,7 +32,10 @@ def test_other_block_sizes_take_the_pytorch_path():
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16])
-def test_native_kernel_matches_sdpa(block_size, cache_dtype):
+# a sliding window (Gemma 3's local layers): 1 token; inside a block; a tile's rows reaching
+# back into different blocks; wider than every sequence
+@pytest.mark.parametrize("window", [0, 1, 7, 40, 512])
+def test_native_kernel_matches_sdpa(block_size, cache_dtype, window):
     torch.manual_seed(block_size)
     heads, kv_heads, dim, num_blocks = 9, 3, 64, 400
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
@@ -47,10 +52,10 @@ def test_native_kernel_matches_sdpa(block_size, cache_dtype):
     assert native_prefill_available(q, k_cache)
     out = torch.full((rows, heads, dim), float("nan"))
     paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, q_lens, first_rows, out,
-                            dim ** -0.5)
+                            dim ** -0.5, window)
     # (a bfloat16 cache is read widened: the reference attends to the same values in float32)
     want = reference(q, k_cache.float(), v_cache.float(), tables, seq_lens, q_lens, first_rows,
-                     dim ** -0.5)
+                     dim ** -0.5, window)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 

@@ -38,6 +38,9 @@ class AttentionGroup:
     # positions (itself included), and each block table starts at its sequence's first block
     # in reach of the step's first query. None: the whole context, tables from block 0.
     window: int | None = None
+    # With a window: the tables from block 0 (the CPU kernels take them and the window, and
+    # skip the blocks out of reach themselves).
+    whole_block_tables: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "AttentionGroup":
         return replace(self, **{name: value.to(device, non_blocking=True)
@@ -175,7 +178,8 @@ def sliding_window_metadata(meta: AttentionMetadata, window: int,
     query at position p sees keys p - window < k <= p, as Hugging Face's sliding-window mask).
     Built once per step from `meta` and shared by those layers; the block tables are cut to
     the blocks in reach, so a layer reads O(window) keys per sequence, not the whole context.
-    Its groups take the PyTorch path (the native kernels attend over whole contexts)."""
+    On the CPU the native kernels take the whole tables and the window (and read only the
+    blocks in reach); the PyTorch path the cut tables and the mask."""
     return AttentionMetadata(
         positions=meta.positions, slot_mapping=meta.slot_mapping,
         groups=[_window_group(g, window, block_size) for g in meta.groups])
@@ -208,6 +212,7 @@ def _window_group(group: AttentionGroup, window: int, block_size: int) -> Attent
         block_tables=torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)).to(device),
         mask=torch.from_numpy(np.ascontiguousarray(mask[:, None, :, :])).to(device),
         window=window,
+        whole_block_tables=group.block_tables,
     )
 
 
@@ -271,19 +276,22 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for group in meta.groups:
         batch = group.block_tables.shape[0]
-        # (The kernels run on the CPU and attend over whole contexts.)
-        native = group.window is None and q.device.type == "cpu"
+        # (The CPU kernels: whole contexts, or a sliding window over the whole tables.)
+        native = q.device.type == "cpu"
+        tables, window = group.block_tables, 0
+        if group.window is not None:
+            tables, window = group.whole_block_tables, group.window
         if group.window is None and q.device.type == "cuda" \
                 and _gpu_kernels(group, q, k_cache, v_cache, out, scale):
             continue
         if native and group.single_query and native_decode_available(k_cache.dtype):
             out[group.valid_rows] = paged_decode_attention(
-                q[group.valid_rows], k_cache, v_cache, group.block_tables, group.seq_lens, scale,
+                q[group.valid_rows], k_cache, v_cache, tables, group.seq_lens, scale, window,
             ).to(q.dtype)
             continue
         if native and not group.single_query and native_prefill_available(q, k_cache):
-            paged_prefill_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens,
-                                    group.q_lens, group.first_rows, out, scale)
+            paged_prefill_attention(q, k_cache, v_cache, tables, group.seq_lens,
+                                    group.q_lens, group.first_rows, out, scale, window)
             continue
         if group.fresh:  # prompts with nothing cached before them: no need to read the cache
             keys = k[group.query_index].transpose(1, 2)

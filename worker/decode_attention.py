@@ -19,7 +19,7 @@ if _lib is not None:
               torch.bfloat16: _lib.paged_decode_attention_bf16}
     for fn in _FUNCS.values():
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float]
 
 
 def native_decode_available(cache_dtype: torch.dtype) -> bool:
@@ -38,6 +38,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32, contiguous
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    window: int = 0,  # > 0: each row attends to its last `window` tokens only
 ) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -46,7 +47,7 @@ def paged_decode_attention(
     rc = _FUNCS[k_cache.dtype](
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, block_size,
-        block_tables.shape[1], scale,
+        block_tables.shape[1], window, scale,
     )
     if rc != 0:
         raise MemoryError("decode attention could not allocate its scratch memory")

@@ -18,7 +18,7 @@ if _lib is not None:
     _lib.loom_prefill_attention.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p])
+        + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p])
 
 
 def native_prefill_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -39,6 +39,7 @@ def paged_prefill_attention(
     first_rows: torch.Tensor,  # [B] int32: its first row in q
     out: torch.Tensor,  # [T, H, D] float32, contiguous: the sequences' rows are written
     scale: float,
+    window: int = 0,  # > 0: a query at position p sees keys p - window < k <= p only
 ) -> None:
     tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -47,6 +48,6 @@ def paged_prefill_attention(
         k_cache.dtype == torch.bfloat16,
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), q_lens.data_ptr(),
         first_rows.data_ptr(), block_tables.shape[0], heads, kv_heads, head_dim, block_size,
-        scale, out.data_ptr())
+        window, scale, out.data_ptr())
     if rc != 0:
         raise MemoryError("prefill attention could not allocate its scratch memory")

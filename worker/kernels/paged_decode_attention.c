@@ -26,7 +26,7 @@
  *   block_tables [num_seqs, max_blocks] (int32)
  *   seq_lens     [num_seqs] (int32): tokens to attend to, including the newest
  *   window       the last `window` of them only (a sliding-window layer: the blocks out of
- *                reach are not read), or 0: all (the team form takes it; the exported, 0)
+ *                reach are not read), or 0: all
  *   out          [num_seqs, num_heads, head_dim] (float32)
  * Returns 0, or -1 if a task's scratch memory could not be had (its rows of `out` are then
  * garbage: the caller fails the step). The indices are trusted: the worker checks every step's
@@ -570,11 +570,11 @@ static void NAME##_team(const float *q, const T *k_cache, const T *v_cache,     
 }                                                                                            \
 int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,       \
          const int32_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,  \
-         int head_dim, int block_size, int max_blocks, float scale) {                        \
+         int head_dim, int block_size, int max_blocks, int window, float scale) {            \
     int failed = 0;                                                                          \
     _Pragma("omp parallel")                                                                  \
     NAME##_team(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads,       \
-                num_kv_heads, head_dim, block_size, max_blocks, 0, scale,                    \
+                num_kv_heads, head_dim, block_size, max_blocks, window, scale,               \
                 omp_get_num_threads(), &failed);                                             \
     return failed ? -1 : 0;                                                                  \
 }

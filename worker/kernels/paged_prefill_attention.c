@@ -73,8 +73,8 @@ static inline v8 exp_v8(v8 x) {
  * into the output accumulator o[D] (D/8 vectors, kept in registers when D is a constant). */
 static inline __attribute__((always_inline)) void attend_block(
         const int D, const float *restrict qv, const float *restrict kt,
-        const float *restrict v_rows, const int64_t v_stride, const int visible,
-        float *restrict m, float *restrict l, float *restrict o) {
+        const float *restrict v_rows, const int64_t v_stride, const int first,
+        const int visible, float *restrict m, float *restrict l, float *restrict o) {
     /* Four partial sums per half: one chain of dependent FMAs would wait out each one's
      * latency (head_dim is a multiple of 8). */
     v8 a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, e0 = {0}, e1 = {0};
@@ -90,8 +90,8 @@ static inline __attribute__((always_inline)) void attend_block(
     }
     v8 s0 = (a0 + b0) + (c0 + e0), s1 = (a1 + b1) + (c1 + e1);
     const v8 index0 = {0, 1, 2, 3, 4, 5, 6, 7}, index1 = index0 + 8;
-    const v8 limit = (v8){0} + (float)visible;
-    const v8i in0 = index0 < limit, in1 = index1 < limit;
+    const v8 limit = (v8){0} + (float)visible, start = (v8){0} + (float)first;
+    const v8i in0 = (index0 < limit) & (index0 >= start), in1 = (index1 < limit) & (index1 >= start);
     const v8 lowest = (v8){0} - FLT_MAX;
     s0 = select_v8(in0, s0, lowest);
     s1 = select_v8(in1, s1, lowest);
@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void attend_block(
     STORE(p + 8, p1);
     v8 acc[MAX_DIM / 8];
     for (int c = 0; c < D / 8; c++) acc[c] = LOAD(o + 8 * c) * correction;
-    for (int j = 0; j < visible; j++) {
+    for (int j = first; j < visible; j++) {
         const float *vr = v_rows + j * v_stride;
         for (int c = 0; c < D / 8; c++) acc[c] += p[j] * LOAD(vr + 8 * c);
     }
@@ -135,7 +135,8 @@ static inline float cache_at(const void *cache, int bf16, int64_t i) {
 /* Returns 0, or -1 (nothing written) if its scratch memory could not be had. */
 static int tile(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                 int bf16, const int32_t *table, int row0, int pos0, int rows, int kv_head,
-                int group, int heads, int kv_heads, int head_dim, float scale, float *out) {
+                int group, int heads, int kv_heads, int head_dim, int window, float scale,
+                float *out) {
     const int nq = rows * group; /* query vectors of this tile: (row, head in the group) */
     const int64_t kv_row = (int64_t)kv_heads * head_dim;
     float qs[TQ * 8 * MAX_DIM / 8]; /* up to TQ rows x 8 heads per kv head */
@@ -160,7 +161,10 @@ static int tile(const float *q, int64_t q_stride, const void *k_cache, const voi
             l[r * group + g] = 0.f;
         }
     const int last_pos = pos0 + rows - 1;
-    for (int b = 0; b * BS <= last_pos; b++) {
+    /* a sliding window: the tile's first row sees keys from pos0 - window + 1 on, and the
+     * blocks before that one are not read */
+    const int first_pos = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    for (int b = first_pos / BS; b * BS <= last_pos; b++) {
         const int64_t base = (int64_t)table[b] * BS;
         const int first_key = b * BS;
         const int keys = last_pos - first_key + 1 < BS ? last_pos - first_key + 1 : BS;
@@ -178,15 +182,18 @@ static int tile(const float *q, int64_t q_stride, const void *k_cache, const voi
         for (int v = 0; v < nq; v++) {
             const int pos = pos0 + v / group;
             const int visible = pos - first_key + 1 < keys ? pos - first_key + 1 : keys;
-            if (visible <= 0) continue;
+            const int first = window > 0 && pos - window + 1 - first_key > 0
+                                  ? pos - window + 1 - first_key : 0;
+            if (visible <= first) continue;
             const float *qv = qbuf + (int64_t)v * head_dim;
             float *o = acc + (int64_t)v * head_dim;
             if (head_dim == 64)
-                attend_block(64, qv, kt, v_rows, v_stride, visible, &m[v], &l[v], o);
+                attend_block(64, qv, kt, v_rows, v_stride, first, visible, &m[v], &l[v], o);
             else if (head_dim == 128)
-                attend_block(128, qv, kt, v_rows, v_stride, visible, &m[v], &l[v], o);
+                attend_block(128, qv, kt, v_rows, v_stride, first, visible, &m[v], &l[v], o);
             else
-                attend_block(head_dim, qv, kt, v_rows, v_stride, visible, &m[v], &l[v], o);
+                attend_block(head_dim, qv, kt, v_rows, v_stride, first, visible, &m[v], &l[v],
+                             o);
         }
     }
     for (int v = 0; v < nq; v++) {
@@ -200,14 +207,16 @@ static int tile(const float *q, int64_t q_stride, const void *k_cache, const voi
     return 0;
 }
 
-/* bf16: the cache is bfloat16 (q and out are float32 either way). Returns 0, or -1 if scratch
+/* bf16: the cache is bfloat16 (q and out are float32 either way). window > 0: each query at
+ * position p sees only keys p - window < k <= p (a sliding-window layer), 0: all before it.
+ * Returns 0, or -1 if scratch
  * memory could not be had (the caller fails the step). The block tables and lengths are
  * trusted: the worker checks them against the cache every step (worker/model_runner.py). */
 int loom_prefill_attention(const float *q, int64_t q_stride, const void *k_cache,
                            const void *v_cache, int bf16, const int32_t *block_tables,
                            int max_blocks, const int32_t *seq_lens, const int32_t *q_lens,
                            const int32_t *first_rows, int num_seqs, int heads, int kv_heads,
-                           int head_dim, int block_size, float scale, float *out) {
+                           int head_dim, int block_size, int window, float scale, float *out) {
     const int group = heads / kv_heads;
     /* Tasks: (sequence, query tile, kv head), longest tiles (latest rows) first. */
     int tasks = 0;
@@ -233,7 +242,7 @@ int loom_prefill_attention(const float *q, int64_t q_stride, const void *k_cache
         const int rows = q_lens[s] - t * TQ < TQ ? q_lens[s] - t * TQ : TQ;
         if (tile(q, q_stride, k_cache, v_cache, bf16, block_tables + (int64_t)s * max_blocks,
                  first_rows[s] + t * TQ, start + t * TQ, rows, h, group, heads, kv_heads,
-                 head_dim, scale, out) != 0) {
+                 head_dim, window, scale, out) != 0) {
 #pragma omp atomic write
             failed = 1;
         }
