@@ -11,6 +11,9 @@ are, two ways:
 - from `float_rows` rows on (prefill chunks): it dequantizes W a panel at a time into
   packed_linear.c's layout and runs its float32 tile: x @ W^T to float32 rounding, as fast as
   the float32 kernel there, where the integer path is 1.1-1.5x slower (on AVX2 without VNNI).
+  With VNNI (AVX512-VNNI or AVX-VNNI) the integer path is the faster one at every row count
+  (1.5x at 64-512 rows on a Zen 4 EPYC), and prefill chunks stay on it too (float_rows None),
+  as llama.cpp's CPU matmuls quantize their activations at every batch size.
 
 Each path gives a row the same result whatever the other rows of the call (a row's result does
 not depend on the batch it is in), but the two paths give different results: a caller that
@@ -115,21 +118,22 @@ class QuantLinear(nn.Module):
     `raw` is the tensor's bytes as GGUF stores them: [out_features, row bytes] uint8 (or any
     shape holding those bytes), e.g. a gguf.ReaderTensor's `data`. `kernel=None` takes the
     native kernel if one builds here; pass `False` for the PyTorch path. `float_rows`: from how
-    many rows on a call takes the float32 path (the module docstring says why; None: never).
+    many rows on a call takes the float32 path (the module docstring says why; None: never;
+    auto: never with VNNI, else FLOAT_ROWS).
     `interleave`: store the rows interleaved by 8 where the kernel has that layout for the
     format (quant_linear.c's QL_X8: ~1.5x faster at one row); `weight` then holds the GGUF
     bytes rearranged, which only the native kernel reads."""
 
-    # From this many rows the arithmetic, not the weights' bytes, decides, and the dequantized
-    # float32 panels catch up with the integer path (`python -m bench.quant_linear
-    # --prefill-paths`; docs/performance.md, "Quantized linear kernels").
+    # Without VNNI: from this many rows the arithmetic, not the weights' bytes, decides, and
+    # the dequantized float32 panels catch up with the integer path. With VNNI they never do
+    # here (`python -m bench.quant_linear --prefill-paths 64 128 256 512` on the Zen 4 EPYC:
+    # integer / panels 0.61-0.68; docs/performance.md, "Quantized linear kernels").
     FLOAT_ROWS = 128
 
     def __init__(self, qtype, raw, shape: tuple[int, int], bias: torch.Tensor | None = None,
                  kernel: QuantKernel | None | bool = None,
-                 float_rows: int | None = FLOAT_ROWS, interleave: bool = True) -> None:
+                 float_rows: int | None | str = "auto", interleave: bool = True) -> None:
         super().__init__()
-        self.float_rows = float_rows
         self.qtype = quant_type(qtype)
         self.out_features, self.in_features = (int(n) for n in shape)
         elements, nbytes = BLOCK_LAYOUT[self.qtype]
@@ -138,6 +142,10 @@ class QuantLinear(nn.Module):
                              f"in_features={self.in_features} is not")
         self.row_bytes = self.in_features // elements * nbytes
         self.kernel = (default_kernel() if kernel is None else kernel) or None
+        if float_rows == "auto":  # (the integer path throughout where it is the faster one)
+            float_rows = None if self.kernel is not None and self.kernel.isa == "AVX2+VNNI" \
+                else self.FLOAT_ROWS
+        self.float_rows = float_rows
         weight, self.interleaved = self._weight_bytes(raw, interleave)
         self.register_buffer("weight", weight.reshape(self.out_features, self.row_bytes),
                              persistent=False)
