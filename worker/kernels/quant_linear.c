@@ -1325,6 +1325,78 @@ QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_
     }
 }
 
+#if defined(QS_VNNI) && !defined(LOOM_X8_NO_PAIRS)
+#define QL_X8_PAIRS 1
+/* ql_x8_tile for two adjacent groups at once (g and g + gstride: 16 weight rows), each
+ * activation word broadcast once for both: per activation row and block 8 broadcasts feed 16
+ * vpdpbusd instead of 8. Each group's arithmetic is ql_x8_tile's (the same two chains, the
+ * same order), so its rows' results are the same numbers whichever tile ran them. Taken for
+ * prefill-sized calls (LOOM_X8_PAIRS_FROM rows on) of the formats whose blocks decode in a few
+ * instructions (Q4_0, Q4_1, Q8_0): with Q5_0's and the K-quants' decoding too, two blocks'
+ * registers spill, and at decode sizes the two weight streams read no faster than one
+ * (SmolLM2's batch-1 step 4.06 -> 5.44 ms with pairs there). One 512-token SmolLM2 Q4_1
+ * prefill step on the Zen 4 EPYC, alternated: 500 / 408 -> 404 / 360 ms. */
+#ifndef LOOM_QUANT_X8_R2
+#define LOOM_QUANT_X8_R2 4 /* activation rows a pair tile (2 x 8 accumulators) */
+#endif
+#ifndef LOOM_X8_PAIRS_FROM
+#define LOOM_X8_PAIRS_FROM 32
+#endif
+QS_INLINE void ql_x8_tile2(const int qt, const int R, const uint8_t *g, const int64_t gstride,
+                           const ql_acts *a, const int64_t r0, float *y, const int64_t ldy,
+                           const float *bias) {
+    const int64_t nb = a->nb;
+    const int gbytes = 8 * ql_block_bytes(qt), sub = ql_subblocks(qt);
+    const int has_o = qt != QL_Q8_0 || QS_X8_Q8_OFFSET;
+    __m256 acc0[LOOM_QUANT_X8_R2], acc1[LOOM_QUANT_X8_R2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = g + b / sub * gbytes;
+        if (LOOM_QUANT_PF && b % sub == 0)
+            for (int o = 0; o < gbytes; o += 64) {
+                __builtin_prefetch(gb + LOOM_QUANT_PF + o, 0, 3);
+                __builtin_prefetch(gb + gstride + LOOM_QUANT_PF + o, 0, 3);
+            }
+        const ql_x8_block w0 = ql_x8_decode(qt, gb, (int)(b % sub));
+        const ql_x8_block w1 = ql_x8_decode(qt, gb + gstride, (int)(b % sub));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const int64_t row = r0 + r;
+            const int8_t *xq = a->q + row * a->K + 32 * b;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m256i xa = ql_x8_word(xq, j), xb = ql_x8_word(xq, 4 + j);
+                s0 = qs_dpbusd(s0, w0.q[j], xa);
+                s1 = qs_dpbusd(s1, w0.q[4 + j], xb);
+                t0 = qs_dpbusd(t0, w1.q[j], xa);
+                t1 = qs_dpbusd(t1, w1.q[4 + j], xb);
+            }
+            const __m256 dx = _mm256_loadu_ps(a->dx8 + (row * nb + b) * 8);
+            const __m256 sx = _mm256_loadu_ps(a->s8 + (row * nb + b) * 8);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                                      _mm256_mul_ps(w0.d, dx), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(t0, t1)),
+                                      _mm256_mul_ps(w1.d, dx), acc1[r]);
+            if (has_o) {
+                acc0[r] = _mm256_fmadd_ps(w0.o, sx, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(w1.o, sx, acc1[r]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + r * ldy, bias ? _mm256_add_ps(acc0[r], _mm256_loadu_ps(bias)) : acc0[r]);
+        _mm256_storeu_ps(y + r * ldy + 8,
+                         bias ? _mm256_add_ps(acc1[r], _mm256_loadu_ps(bias + 8)) : acc1[r]);
+    }
+}
+#define QL_X8_TILE2_CASE(n)                                                                  \
+    case n: ql_x8_tile2(qt, n, wg, 8 * wrow, a, r, y + r * ldy + 8 * grp, ldy, bg); break;
+#endif
+
 /* As ql_chunk, over groups of 8 weight rows (`tiles_per_run` groups a run). */
 #define QL_X8_CASE(n) case n: ql_x8_tile(qt, n, wg, a, r, y + r * ldy + 8 * grp, ldy, bg); break;
 QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, const ql_acts *a,
@@ -1334,7 +1406,23 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
     const int64_t m1 = M - m0 < LOOM_QUANT_MC ? M : m0 + LOOM_QUANT_MC;
     const int g0 = chunk % runs * tiles_per_run;
     const int g1 = g0 + tiles_per_run < N / 8 ? g0 + tiles_per_run : N / 8;
-    for (int grp = g0; grp < g1; grp++) {
+    int grp = g0;
+#if defined(QL_X8_PAIRS)
+    if ((qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q8_0) && m1 - m0 >= LOOM_X8_PAIRS_FROM)
+        for (; grp + 1 < g1; grp += 2) {
+            const uint8_t *wg = w + (int64_t)grp * 8 * wrow;
+            const float *bg = bias ? bias + 8 * grp : NULL;
+            for (int64_t r = m0; r < m1; r += LOOM_QUANT_X8_R2) {
+                switch (m1 - r < LOOM_QUANT_X8_R2 ? (int)(m1 - r) : LOOM_QUANT_X8_R2) {
+                QL_X8_TILE2_CASE(1)
+                QL_X8_TILE2_CASE(2)
+                QL_X8_TILE2_CASE(3)
+                default: QL_X8_TILE2_CASE(4)
+                }
+            }
+        }
+#endif
+    for (; grp < g1; grp++) {
         const uint8_t *wg = w + (int64_t)grp * 8 * wrow;
         const float *bg = bias ? bias + 8 * grp : NULL;
         for (int64_t r = m0; r < m1; r += QL_X8_R) {
