@@ -1271,6 +1271,15 @@ QS_INLINE __m256i ql_x8_dot(const int qt, const ql_x8_block *w, const int8_t *xq
 #endif
 }
 
+/* acc + each row's (lane's) integer dot s of a block, scaled: s d dx + o sx (dx, sx: the
+ * activation block's 8 copies of d and of d times its sum). The one formula of both x8 tiles,
+ * so a row's result is the same whichever ran it. */
+QS_INLINE __m256 ql_x8_accumulate(const ql_x8_block *w, const __m256i s, const float *dx,
+                                  const float *sx, const int has_o, __m256 acc) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w->d, _mm256_loadu_ps(dx)), acc);
+    return has_o ? _mm256_fmadd_ps(w->o, _mm256_loadu_ps(sx), acc) : acc;
+}
+
 /* y[r][0..8) for R activation rows from r0 against the group at g (8 weight rows). */
 QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_acts *a,
                           const int64_t r0, float *y, const int64_t ldy, const float *bias) {
@@ -1313,9 +1322,7 @@ QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_
             const int64_t row = r0 + r;
             const __m256i s = ql_x8_dot(qt, &w, a->q + row * a->K + 32 * b);
             const float *dx = a->dx8 + (row * nb + b) * 8, *sx = a->s8 + (row * nb + b) * 8;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.d, _mm256_loadu_ps(dx)),
-                                     acc[r]);
-            if (has_o) acc[r] = _mm256_fmadd_ps(w.o, _mm256_loadu_ps(sx), acc[r]);
+            acc[r] = ql_x8_accumulate(&w, s, dx, sx, has_o, acc[r]);
         }
     }
 #pragma GCC unroll 8
@@ -1374,16 +1381,9 @@ QS_INLINE void ql_x8_tile2(const int qt, const int R, const uint8_t *g, const in
                 t0 = qs_dpbusd(t0, w1.q[j], xa);
                 t1 = qs_dpbusd(t1, w1.q[4 + j], xb);
             }
-            const __m256 dx = _mm256_loadu_ps(a->dx8 + (row * nb + b) * 8);
-            const __m256 sx = _mm256_loadu_ps(a->s8 + (row * nb + b) * 8);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
-                                      _mm256_mul_ps(w0.d, dx), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(t0, t1)),
-                                      _mm256_mul_ps(w1.d, dx), acc1[r]);
-            if (has_o) {
-                acc0[r] = _mm256_fmadd_ps(w0.o, sx, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(w1.o, sx, acc1[r]);
-            }
+            const float *dx = a->dx8 + (row * nb + b) * 8, *sx = a->s8 + (row * nb + b) * 8;
+            acc0[r] = ql_x8_accumulate(&w0, _mm256_add_epi32(s0, s1), dx, sx, has_o, acc0[r]);
+            acc1[r] = ql_x8_accumulate(&w1, _mm256_add_epi32(t0, t1), dx, sx, has_o, acc1[r]);
         }
     }
 #pragma GCC unroll 8
