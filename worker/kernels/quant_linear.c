@@ -973,6 +973,21 @@ QS_INLINE int ql_x8_scale_bytes(const int qt) {
 }
 QS_INLINE int ql_x8_head(const int qt) { return qt == QL_Q4_1 ? 4 : qt == QL_Q5_0 ? 6 : 2; }
 
+/* Q5_0's fifth bits in a gblock: GGUF keeps a 32-bit word per row (bit k: weight k's);
+ * interleaved, word j holds quant vector j's (ql_x8_decode's q[j]: weights 4j .. 4j + 3 of
+ * each row, row r's in bytes 4r .. 4r + 3): bit 4r + i is row r's weight 4j + i's. One word
+ * is then one vector's bits in byte order, a mask register's load on AVX-512. In place: the
+ * 8 row words in, the 8 vector words out (the transposition is its own inverse). */
+static void ql_x8_transpose_q5_high_bits(uint8_t *qh) {
+    uint32_t in[8], out[8] = {0};
+    memcpy(in, qh, sizeof in);
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < 4; i++)
+                out[j] |= (in[r] >> (4 * j + i) & 1u) << (4 * r + i);
+    memcpy(qh, out, sizeof out);
+}
+
 /* Weight row `row`'s block b (a K-quant: its super-block) as GGUF stores it: in place, or
  * gathered from its group into buf (ql_block_bytes(qt) bytes). */
 QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int64_t wrow,
@@ -998,7 +1013,14 @@ QS_INLINE const uint8_t *ql_block_at(const int kind, const uint8_t *w, const int
         return buf;
     }
     memcpy(buf, g + 2 * lane, 2);
-    if (head > 2) memcpy(buf + 2, g + 16 + (head - 2) * lane, head - 2);
+    if (qt == QL_Q5_0) { /* the row's high-bit word, from the vectors' words */
+        uint8_t qh[32];
+        memcpy(qh, g + 16, sizeof qh);
+        ql_x8_transpose_q5_high_bits(qh);
+        memcpy(buf + 2, qh + 4 * lane, 4);
+    } else if (head > 2) {
+        memcpy(buf + 2, g + 16 + (head - 2) * lane, head - 2);
+    }
     for (int j = 0; j < (bytes - head) / 4; j++) memcpy(buf + head + 4 * j, g + sb + 32 * j + 4 * lane, 4);
     return buf;
 }
@@ -1044,6 +1066,7 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
                 for (int j = 0; j < (bytes - head) / 4; j++)
                     memcpy(o + sb + 32 * j + 4 * lane, blk + head + 4 * j, 4);
             }
+            if (qtype == QL_Q5_0) ql_x8_transpose_q5_high_bits(o + 16);
         }
     return 0;
 }
@@ -1179,25 +1202,26 @@ QS_INLINE ql_x8_block ql_x8_decode(const int qt, const uint8_t *g, const int j) 
             b.q[j] = _mm256_and_si256(v, nibble);
             b.q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         }
-        if (qt == QL_Q5_0) { /* weights 4j..4j+3 of a lane: bits 4j..4j+3 of its qh word */
-            const __m256i qh = q_load(g + 16);
+        if (qt == QL_Q5_0) { /* q[j]'s fifth bits: word j, bit k for byte k (the layout
+                               * ql_x8_transpose_q5_high_bits makes) */
+            const uint8_t *qh = g + 16;
+            const __m256i sixteen = _mm256_set1_epi8(16);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const int byte = j / 2; /* that word's byte, in each byte of the lane */
+                uint32_t bits;
+                memcpy(&bits, qh + 4 * j, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+                b.q[j] = _mm256_mask_add_epi8(b.q[j], (__mmask32)bits, b.q[j], sixteen);
+#else           /* each byte picks its word byte (k / 8) and tests its bit (k % 8) */
                 const __m256i pick = _mm256_setr_epi8(
-                    byte, byte, byte, byte, 4 + byte, 4 + byte, 4 + byte, 4 + byte, 8 + byte,
-                    8 + byte, 8 + byte, 8 + byte, 12 + byte, 12 + byte, 12 + byte, 12 + byte,
-                    byte, byte, byte, byte, 4 + byte, 4 + byte, 4 + byte, 4 + byte, 8 + byte,
-                    8 + byte, 8 + byte, 8 + byte, 12 + byte, 12 + byte, 12 + byte, 12 + byte);
-                const int s = 4 * (j % 2);
-                const __m256i bit = _mm256_setr_epi8(
-                    1 << s, 2 << s, 4 << s, 8 << s, 1 << s, 2 << s, 4 << s, 8 << s, 1 << s,
-                    2 << s, 4 << s, 8 << s, 1 << s, 2 << s, 4 << s, 8 << s, 1 << s, 2 << s,
-                    4 << s, 8 << s, 1 << s, 2 << s, 4 << s, 8 << s, 1 << s, 2 << s, 4 << s,
-                    8 << s, 1 << s, 2 << s, 4 << s, 8 << s);
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+                const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
                 const __m256i set = _mm256_cmpeq_epi8(
-                    _mm256_and_si256(_mm256_shuffle_epi8(qh, pick), bit), bit);
-                b.q[j] = _mm256_or_si256(b.q[j], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                    _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick),
+                                     bit), bit);
+                b.q[j] = _mm256_or_si256(b.q[j], _mm256_and_si256(set, sixteen));
+#endif
             }
         }
     }
@@ -1339,15 +1363,22 @@ QS_INLINE void ql_x8_tile(const int qt, const int R, const uint8_t *g, const ql_
  * vpdpbusd instead of 8. Each group's arithmetic is ql_x8_tile's (the same two chains, the
  * same order), so its rows' results are the same numbers whichever tile ran them. Taken for
  * prefill-sized calls (LOOM_X8_PAIRS_FROM rows on) of the formats whose blocks decode in a few
- * instructions (Q4_0, Q4_1, Q8_0): with Q5_0's and the K-quants' decoding too, two blocks'
- * registers spill, and at decode sizes the two weight streams read no faster than one
+ * instructions (Q4_0, Q4_1, Q8_0, and Q5_0 where AVX-512 masks add its fifth bits): with the
+ * K-quants' decoding too, two blocks' registers spill (no faster: Q4_K 4096 x 768 at 64 rows,
+ * one thread), and at decode sizes the two weight streams read no faster than one
  * (SmolLM2's batch-1 step 4.06 -> 5.44 ms with pairs there). One 512-token SmolLM2 Q4_1
- * prefill step on the Zen 4 EPYC, alternated: 500 / 408 -> 404 / 360 ms. */
+ * prefill step on the Zen 4 EPYC, alternated: 500 / 408 -> 404 / 360 ms. Q5_0 at 64 rows,
+ * one thread, best of 31 alternated: 1.72 -> 1.60 ms (4096 x 640). */
 #ifndef LOOM_QUANT_X8_R2
 #define LOOM_QUANT_X8_R2 4 /* activation rows a pair tile (2 x 8 accumulators) */
 #endif
 #ifndef LOOM_X8_PAIRS_FROM
 #define LOOM_X8_PAIRS_FROM 32
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QL_X8_Q5_PAIRS (qt == QL_Q5_0)
+#else
+#define QL_X8_Q5_PAIRS 0
 #endif
 QS_INLINE void ql_x8_tile2(const int qt, const int R, const uint8_t *g, const int64_t gstride,
                            const ql_acts *a, const int64_t r0, float *y, const int64_t ldy,
@@ -1408,7 +1439,8 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
     const int g1 = g0 + tiles_per_run < N / 8 ? g0 + tiles_per_run : N / 8;
     int grp = g0;
 #if defined(QL_X8_PAIRS)
-    if ((qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q8_0) && m1 - m0 >= LOOM_X8_PAIRS_FROM)
+    if ((qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q8_0 || QL_X8_Q5_PAIRS) &&
+        m1 - m0 >= LOOM_X8_PAIRS_FROM)
         for (; grp + 1 < g1; grp += 2) {
             const uint8_t *wg = w + (int64_t)grp * 8 * wrow;
             const float *bg = bias ? bias + 8 * grp : NULL;
