@@ -1076,11 +1076,21 @@ int loom_quant_interleave(int qtype, const uint8_t *src, int64_t wrow, int N, in
  * vectors and 2 scale vectors in registers). 6: a speculative verify step's rows (the last
  * token and 5 proposals) are one tile, where 4 unpacked every gblock twice (4 + 2 rows); its
  * accumulators spill past 4 rows, which costs less (1.1-1.15x faster projections and lm_head
- * at 6 rows on the AVX2 EPYC here, the same at 1-4). */
-#ifndef LOOM_QUANT_X8_R
-#define LOOM_QUANT_X8_R 6
-#endif
+ * at 6 rows on the AVX2 EPYC here, the same at 1-4). With AVX-512VL's 32 vector registers,
+ * 8 where the block decodes into few registers (16-row calls: two tiles of 8, not 6 + 6 + 4;
+ * one thread, best of 31 alternated, on the Zen 4 EPYC: Q8_0 / Q4_1 / Q5_0 / Q6_K 1.06-1.10x
+ * faster at 16 rows, the same at 6 and 64); Q4_K and Q5_K keep 6 (0.81-0.86x at 8: spills).
+ * LOOM_QUANT_X8_R sets one count for every format. */
+#if defined(LOOM_QUANT_X8_R)
 #define QL_X8_R LOOM_QUANT_X8_R
+#define QL_X8_ROWS(qt) QL_X8_R
+#elif defined(__AVX512VL__)
+#define QL_X8_R 8
+#define QL_X8_ROWS(qt) ((qt) == QL_Q4_K || (qt) == QL_Q5_K ? 6 : 8)
+#else
+#define QL_X8_R 6
+#define QL_X8_ROWS(qt) QL_X8_R
+#endif
 #if defined(QS_VNNI)
 #define QS_X8_Q8_OFFSET 1 /* Q8_0's quants read as unsigned: a -128 d offset */
 #else
@@ -1457,8 +1467,9 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
     for (; grp < g1; grp++) {
         const uint8_t *wg = w + (int64_t)grp * 8 * wrow;
         const float *bg = bias ? bias + 8 * grp : NULL;
-        for (int64_t r = m0; r < m1; r += QL_X8_R) {
-            switch (m1 - r < QL_X8_R ? (int)(m1 - r) : QL_X8_R) {
+        const int rows = QL_X8_ROWS(qt);
+        for (int64_t r = m0; r < m1; r += rows) {
+            switch (m1 - r < rows ? (int)(m1 - r) : rows) {
             QL_X8_CASE(1)
 #if QL_X8_R > 1
             QL_X8_CASE(2)
