@@ -28,7 +28,10 @@ from worker.pipeline import feeding, run_step
                                         ("gemma3", "bfloat16"), ("llama", "bf16 cache"),
                                         ("gemma3", "bf16 cache")])
 def runner(request, smollm2_dir, tmp_path_factory):
-    arch, dtype = request.param
+    return make_runner(*request.param, 4, smollm2_dir, tmp_path_factory)
+
+
+def make_runner(arch: str, dtype: str, page_size: int, smollm2_dir, tmp_path_factory):
     kv_dtype = "bfloat16" if dtype == "bf16 cache" else "auto"
     dtype = "quantized" if dtype == "bf16 cache" else dtype
     target = str(tmp_path_factory.mktemp(arch))
@@ -39,7 +42,7 @@ def runner(request, smollm2_dir, tmp_path_factory):
     else:
         path = make_tiny_checkpoint(target, smollm2_dir, architecture=arch, seed=3)
     runner = ModelRunner(PipelineConfig.for_model(
-        path, dtype="float32" if dtype == "quantized" else dtype, kv_cache_page_size=4,
+        path, dtype="float32" if dtype == "quantized" else dtype, kv_cache_page_size=page_size,
         kv_cache_memory=8 << 20, kv_cache_dtype=kv_dtype))
     assert runner.kv_cache.dtype == (torch.bfloat16 if kv_dtype == "bfloat16" or
                                      dtype == "bfloat16" else torch.float32)
@@ -124,6 +127,65 @@ def test_decode_step_logits_equal_the_python_path(runner, lengths):
                 runner.model.fused_decode = fused_path
         torch.testing.assert_close(fused, python, rtol=1e-4, atol=atol)
         sched.update(step, run_step(runner, step))
+
+
+# 16-token blocks: the prefill kernel's, which mixed steps need
+@pytest.fixture(scope="module", params=[("llama", "quantized"), ("qwen2", "float32"),
+                                        ("qwen3", "float32"), ("llama", "bfloat16"),
+                                        ("gemma3", "quantized"), ("gemma3", "bf16 cache")])
+def runner16(request, smollm2_dir, tmp_path_factory):
+    return make_runner(*request.param, 16, smollm2_dir, tmp_path_factory)
+
+
+def test_mixed_step_logits_equal_the_python_path(runner16):
+    """Steps of decodes beside prompt chunks (chunked prefill, 24 tokens a step; prompts
+    longer than Gemma's window of 8) run in the one native call, the chunks' attention by the
+    prefill kernel: every row's logits equal the Python path's, with the rows as scheduled
+    (decodes first) and reversed (a decode row after a chunk's: gathered and scattered)."""
+    runner, atol = runner16
+    fused_path = runner.model.fused_decode
+    blocks = BlockManager(runner.num_blocks, 16)
+    sched = Scheduler(PipelineConfig().replace(max_length=runner.max_model_len,
+                                               max_batch_input_tokens=24), blocks)
+    rng = np.random.default_rng(1)
+
+    def add(n: int) -> None:
+        sched.add_request(TextContext(max_length=n + 8, tokens=rng.integers(5, 400, n),
+                                      sampling_params=SamplingParams(temperature=0.0)))
+
+    def compare(batch, order: np.ndarray) -> None:
+        starts = np.concatenate([[0], np.cumsum(batch.query_lens)])
+        ids = np.concatenate([batch.input_ids[starts[i]:starts[i + 1]] for i in order])
+        meta = build_attention_metadata(batch.query_lens[order], batch.seq_lens[order],
+                                        batch.block_tables[order], 16)
+        assert fused_path.applies(meta, runner.kv_cache)
+        ids = torch.from_numpy(ids.astype(np.int64))
+        ids[ids < 0] = 7  # (placeholders of the overlap scheduler: any token does here)
+        rows = torch.arange(len(ids))
+        with torch.inference_mode():
+            fused = runner.model(ids, meta, runner.kv_cache, rows)
+            runner.model.fused_decode = None
+            try:
+                python = runner.model(ids, meta, runner.kv_cache, rows)
+            finally:
+                runner.model.fused_decode = fused_path
+        torch.testing.assert_close(fused, python, rtol=1e-4, atol=atol)
+
+    add(6)
+    add(11)
+    mixed = 0
+    for i in range(14):
+        if i in (2, 6):
+            add(50 if i == 2 else 30)  # (chunked over the next steps, beside the decodes)
+        step = sched.schedule()
+        batch = step.batch
+        if (batch.query_lens > 1).any() and (batch.query_lens == 1).any():
+            mixed += 1
+            order = np.arange(len(batch.query_lens))
+            compare(batch, order)
+            compare(batch, order[::-1].copy())
+        sched.update(step, run_step(runner, step))
+    assert mixed >= 3
 
 
 def test_decode_step_reads_every_row_as_a_gather_does(runner):

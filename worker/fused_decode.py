@@ -1,13 +1,14 @@
 """FusedDecode: all decoder layers of a model computing in float32 (float32 weights, packed
 bfloat16 weights with a bfloat16 KV cache, or GGUF-quantized weights), for a step of one-token
-sequences, in one native call (`worker/kernels/decoder.c` says why).
+sequences and prompt chunks, in one native call (`worker/kernels/decoder.c` says why).
 
 One implementation for every architecture: a model describes its layers as `DecodeLayer`s
 (`fused_decode_layers()`: which norms a layer has and where, its rotary tables, its attention
 window) and its activation by its config's hidden_act. Used by LlamaForCausalLM (Llama,
 Mistral, Qwen2, Qwen3) and Gemma3ForCausalLM when every linear layer is packed or quantized
-(QuantLinear with its native kernel) and the step has no prefill chunk; everything else takes
-the Python path, which computes the same.
+(QuantLinear with its native kernel); a step's prompt chunks come too where the prefill
+kernel takes them (16-token blocks, no LoRA rows in the step). Everything else takes the
+Python path, which computes the same with the same kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from worker.attention import AttentionMetadata
 from worker.kernels import load_kernel
 from worker.lora import LoRAWeights
 from worker.packed_linear import PackedLinear
+from worker.prefill_attention import PREFILL_BLOCK_SIZE, native_prefill_limits
 from worker.quant_linear import QuantEmbedding, QuantLinear, StackedQuantLinear
 
 _P = ctypes.c_void_p
@@ -66,6 +68,14 @@ class _ModelDims(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
+class _StepAttention(ctypes.Structure):
+    _fields_ = [("decodes", ctypes.c_int), ("decode_rows", _P), ("decode_tables", _P),
+                ("decode_seq_lens", _P), ("decode_max_blocks", ctypes.c_int),
+                ("prefills", ctypes.c_int), ("prefill_tables", _P), ("prefill_seq_lens", _P),
+                ("prefill_q_lens", _P), ("prefill_first_rows", _P),
+                ("prefill_max_blocks", ctypes.c_int)]
+
+
 _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # decoder.c's ACT_*
 
 
@@ -74,7 +84,7 @@ if _lib is not None:
     _lib.loom_decode_layers.restype = ctypes.c_int
     _lib.loom_decode_layers.argtypes = [
         ctypes.POINTER(_LayerWeights), ctypes.c_int, ctypes.POINTER(_ModelDims), ctypes.c_int,
-        _P, _P, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int, _P,
+        _P, _P, ctypes.c_int, _P, _P, ctypes.POINTER(_StepAttention), _P, ctypes.c_int, _P,
         ctypes.POINTER(_Projection), _P]
 
 
@@ -99,6 +109,12 @@ class FusedDecode:
         # [T], -1: the base model's; None: no adapter rows).
         self.lora = None
         self.row_slots: torch.Tensor | None = None
+        # Whether the prefill kernel takes this model's heads (its block size is checked per
+        # call: the cache's).
+        self._prefill_ok = native_prefill_limits(attn.head_dim, attn.num_heads,
+                                                 attn.num_kv_heads)
+        self._attention = _StepAttention()
+        self._keep: tuple = ()  # (the step's index arrays, alive through the call)
 
     @classmethod
     def for_model(cls, model) -> "FusedDecode | None":
@@ -123,10 +139,16 @@ class FusedDecode:
         self.lora = slots
         self._cache_ptr = None  # (the layers' structs point at its tensors)
 
-    @staticmethod
-    def applies(meta: AttentionMetadata) -> bool:
-        """A step whose sequences all feed one token (the rows are the sequences, in order)."""
-        return len(meta.groups) == 1 and meta.groups[0].single_query
+    def applies(self, meta: AttentionMetadata, kv_cache: torch.Tensor | None = None) -> bool:
+        """A step of decodes (one token each) and prompt chunks over `kv_cache`, on the CPU
+        kernels the Python path runs them with (worker/attention.py): decodes through the
+        decode kernel, chunks through the prefill kernel, which takes 16-token blocks and
+        heads up to 256. Steps with prompt chunks and LoRA rows take the Python path."""
+        if all(group.single_query for group in meta.groups):
+            return len(meta.groups) == 1
+        return (self._prefill_ok and self.row_slots is None and kv_cache is not None
+                and kv_cache.device.type == "cpu" and kv_cache.shape[3] == PREFILL_BLOCK_SIZE
+                and all(group.window is None for group in meta.groups))
 
     def embeds(self, input_ids: torch.Tensor) -> bool:
         """Whether the call can look up `input_ids` itself (a quantized embedding table, ids
@@ -145,7 +167,7 @@ class FusedDecode:
         if kv_cache.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"fused decode: a float32 or bfloat16 KV cache, not {kv_cache.dtype}")
         layers = self._layer_weights(kv_cache)
-        group = meta.groups[0]
+        attention = self._step_attention(meta, kv_cache)
         embedding, ids = None, None
         if x is None:
             embedding, ids = self._embedding, input_ids.data_ptr()
@@ -156,9 +178,9 @@ class FusedDecode:
             layers, len(self.model.layers), ctypes.byref(self.dims),
             kv_cache.dtype == torch.bfloat16, x.data_ptr(),
             residual.data_ptr(), tokens, meta.positions.data_ptr(),
-            meta.slot_mapping.data_ptr(), group.block_tables.data_ptr(),
-            group.seq_lens.data_ptr(), group.block_tables.shape[1],
+            meta.slot_mapping.data_ptr(), ctypes.byref(attention),
             *self._lora_rows(tokens), _pointer(final_norm), embedding, ids)
+        self._keep = ()
         if rc == -3:
             raise IndexError(f"token ids must be in [0, {self.model.embed_tokens.num_embeddings})")
         if rc == -1:
@@ -168,6 +190,36 @@ class FusedDecode:
             raise MemoryError(f"the fused decode step failed ({rc}): scratch memory could not "
                               f"be had")
         return x
+
+    def _step_attention(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepAttention:
+        """The step's groups as decoder.c's StepAttention: the decode group's rows (NULL when
+        they are the step's first rows, as in every decode-only step), tables and lengths, and
+        the prompt chunks' as the prefill kernel reads them."""
+        att = self._attention
+        att.decodes = att.prefills = 0
+        att.decode_rows = None
+        keep = []
+        for group in meta.groups:
+            tables = group.block_tables
+            if group.single_query:
+                rows = group.valid_rows
+                att.decodes = len(rows)
+                if len(meta.groups) > 1 and not _first_rows(rows):
+                    rows = rows.to(torch.int32)
+                    keep.append(rows)
+                    att.decode_rows = rows.data_ptr()
+                att.decode_tables, att.decode_seq_lens = (tables.data_ptr(),
+                                                          group.seq_lens.data_ptr())
+                att.decode_max_blocks = tables.shape[1]
+            else:
+                att.prefills = tables.shape[0]
+                att.prefill_tables, att.prefill_seq_lens = (tables.data_ptr(),
+                                                            group.seq_lens.data_ptr())
+                att.prefill_q_lens, att.prefill_first_rows = (group.q_lens.data_ptr(),
+                                                              group.first_rows.data_ptr())
+                att.prefill_max_blocks = tables.shape[1]
+        self._keep = tuple(keep)
+        return att
 
     def _scratch(self, tokens: int) -> torch.Tensor:
         """The residual stream's buffer, [tokens, hidden] at least (the call uses its first
@@ -215,6 +267,13 @@ class FusedDecode:
         if self.lora is None:
             return [LoRAWeights()] * 4
         return [t.native for t in self.lora.layer_targets(layer)]
+
+
+def _first_rows(rows: torch.Tensor) -> bool:
+    """Whether the decode rows are the step's rows 0 .. n (the scheduler puts running
+    requests first: in most mixed steps they are)."""
+    n = len(rows)
+    return n == 0 or (int(rows[0]) == 0 and int(rows[-1]) == n - 1)
 
 
 def _pointer(norm: torch.Tensor | None) -> int | None:

@@ -21,6 +21,15 @@ if _lib is not None:
         + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p])
 
 
+PREFILL_BLOCK_SIZE = 16  # (the kernel's BS: the KV block size it handles)
+
+
+def native_prefill_limits(head_dim: int, heads: int, kv_heads: int) -> bool:
+    """Whether the native kernel takes these heads over 16-token blocks."""
+    return _lib is not None and bool(_lib.loom_prefill_attention_limits(
+        PREFILL_BLOCK_SIZE, head_dim, heads, kv_heads))
+
+
 def native_prefill_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (_lib is not None and q.dtype == torch.float32
             and k_cache.dtype in (torch.float32, torch.bfloat16)

@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void attend_block(
     *m = new_max;
 }
 
-static inline float bf16_to_f32(uint16_t x) {
+static inline float prefill_bf16_to_f32(uint16_t x) {
     const uint32_t bits = (uint32_t)x << 16;
     float f;
     memcpy(&f, &bits, 4);
@@ -129,11 +129,11 @@ static inline float bf16_to_f32(uint16_t x) {
 
 /* Element i of a float32 (bf16 == 0) or bfloat16 cache, as float32. */
 static inline float cache_at(const void *cache, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+    return bf16 ? prefill_bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
 
 /* Returns 0, or -1 (nothing written) if its scratch memory could not be had. */
-static int tile(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+static int prefill_tile(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                 int bf16, const int32_t *table, int row0, int pos0, int rows, int kv_head,
                 int group, int heads, int kv_heads, int head_dim, int window, float scale,
                 float *out) {
@@ -207,6 +207,57 @@ static int tile(const float *q, int64_t q_stride, const void *k_cache, const voi
     return 0;
 }
 
+/* The work for a team of threads already running (orphaned worksharing: decoder.c's one
+ * region a step runs in), ending with the team's barrier; a failed allocation sets *failed.
+ * loom_prefill_attention runs it in a region of its own. */
+static void prefill_attention_team(const float *q, int64_t q_stride, const void *k_cache,
+                                   const void *v_cache, int bf16, const int32_t *block_tables,
+                                   int max_blocks, const int32_t *seq_lens,
+                                   const int32_t *q_lens, const int32_t *first_rows,
+                                   int num_seqs, int heads, int kv_heads, int head_dim,
+                                   int block_size, int window, float scale, float *out,
+                                   int *failed_out) {
+    (void)block_size;
+    const int group = heads / kv_heads;
+    /* Tasks: (sequence, query tile, kv head), longest tiles (latest rows) first; each thread
+     * lists them alike (a few ints). */
+    int tasks = 0;
+    for (int s = 0; s < num_seqs; s++) tasks += (q_lens[s] + TQ - 1) / TQ * kv_heads;
+    int *task_seq = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
+    int *task_tile = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
+    int failed = !task_seq || !task_tile;
+    if (!failed) {
+        int n = 0;
+        for (int s = 0; s < num_seqs; s++)
+            for (int t = (q_lens[s] + TQ - 1) / TQ - 1; t >= 0; t--)
+                for (int h = 0; h < kv_heads; h++) {
+                    task_seq[n] = s;
+                    task_tile[n++] = t * kv_heads + h;
+                }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < tasks; i++) {
+        if (!task_seq || !task_tile) {
+            failed = 1;
+            continue;
+        }
+        const int s = task_seq[i], t = task_tile[i] / kv_heads, h = task_tile[i] % kv_heads;
+        const int start = seq_lens[s] - q_lens[s];
+        const int rows = q_lens[s] - t * TQ < TQ ? q_lens[s] - t * TQ : TQ;
+        if (prefill_tile(q, q_stride, k_cache, v_cache, bf16,
+                         block_tables + (int64_t)s * max_blocks, first_rows[s] + t * TQ,
+                         start + t * TQ, rows, h, group, heads, kv_heads, head_dim, window,
+                         scale, out) != 0)
+            failed = 1;
+    }
+    free(task_seq);
+    free(task_tile);
+    if (failed) {
+#pragma omp atomic write
+        *failed_out = 1;
+    }
+}
+
 /* bf16: the cache is bfloat16 (q and out are float32 either way). window > 0: each query at
  * position p sees only keys p - window < k <= p (a sliding-window layer), 0: all before it.
  * Returns 0, or -1 if scratch
@@ -217,37 +268,10 @@ int loom_prefill_attention(const float *q, int64_t q_stride, const void *k_cache
                            int max_blocks, const int32_t *seq_lens, const int32_t *q_lens,
                            const int32_t *first_rows, int num_seqs, int heads, int kv_heads,
                            int head_dim, int block_size, int window, float scale, float *out) {
-    const int group = heads / kv_heads;
-    /* Tasks: (sequence, query tile, kv head), longest tiles (latest rows) first. */
-    int tasks = 0;
-    for (int s = 0; s < num_seqs; s++) tasks += (q_lens[s] + TQ - 1) / TQ * kv_heads;
-    int *task_seq = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
-    int *task_tile = malloc(sizeof(int) * (size_t)(tasks ? tasks : 1));
-    if (!task_seq || !task_tile) {
-        free(task_seq);
-        free(task_tile);
-        return -1;
-    }
-    int n = 0, failed = 0;
-    for (int s = 0; s < num_seqs; s++)
-        for (int t = (q_lens[s] + TQ - 1) / TQ - 1; t >= 0; t--)
-            for (int h = 0; h < kv_heads; h++) {
-                task_seq[n] = s;
-                task_tile[n++] = t * kv_heads + h;
-            }
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int i = 0; i < tasks; i++) {
-        const int s = task_seq[i], t = task_tile[i] / kv_heads, h = task_tile[i] % kv_heads;
-        const int start = seq_lens[s] - q_lens[s];
-        const int rows = q_lens[s] - t * TQ < TQ ? q_lens[s] - t * TQ : TQ;
-        if (tile(q, q_stride, k_cache, v_cache, bf16, block_tables + (int64_t)s * max_blocks,
-                 first_rows[s] + t * TQ, start + t * TQ, rows, h, group, heads, kv_heads,
-                 head_dim, window, scale, out) != 0) {
-#pragma omp atomic write
-            failed = 1;
-        }
-    }
-    free(task_seq);
-    free(task_tile);
+    int failed = 0;
+#pragma omp parallel
+    prefill_attention_team(q, q_stride, k_cache, v_cache, bf16, block_tables, max_blocks,
+                           seq_lens, q_lens, first_rows, num_seqs, heads, kv_heads, head_dim,
+                           block_size, window, scale, out, &failed);
     return failed ? -1 : 0;
 }

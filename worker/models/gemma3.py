@@ -215,7 +215,7 @@ class Gemma3ForCausalLM(nn.Module, PagedCausalLM):
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
         hidden = self._embed(input_ids)
-        if self.fused_decode is not None and self.fused_decode.applies(meta):
+        if self.fused_decode is not None and self.fused_decode.applies(meta, kv_cache):
             x = selected_rows(self.fused_decode(hidden, meta, kv_cache, self.norm.scale),
                               logits_rows)
         else:

@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         logits_rows: torch.Tensor,  # rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
         fused = self.fused_decode
-        if fused is not None and fused.applies(meta) and fused.embeds(input_ids):
+        if fused is not None and fused.applies(meta, kv_cache) and fused.embeds(input_ids):
             x = fused(None, meta, kv_cache, self.norm.weight, input_ids)
             return _float(self.lm_head(selected_rows(x, logits_rows)))
         hidden = self.embed_tokens(input_ids).to(self.compute_dtype)
@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module, PagedCausalLM):
         """The decoder over input embeddings [T, hidden] (a vision model's images merged in).
         `rotary`: the step's own tables, looked up at meta.positions (Qwen2-VL's M-RoPE);
         the fused decode step reads only the model's."""
-        if rotary is None and self.fused_decode is not None and self.fused_decode.applies(meta):
+        if rotary is None and self.fused_decode is not None and self.fused_decode.applies(meta, kv_cache):
             x = self.fused_decode(hidden, meta, kv_cache, self.norm.weight)
             return _float(self.lm_head(selected_rows(x, logits_rows)))
         residual = None
