@@ -224,8 +224,8 @@ static void prefill_attention_team(const float *q, int64_t q_stride, const void 
      * than 4 tasks a thread: a 48-row chunk of Gemma 3's one kv head is 3 tasks of 16 rows
      * (one thread of two idle a third of the time), 6 of 8 (its fused mixed step, 16
      * decodes beside, alternated: 73.0 -> 70.2 ms, 8 rounds of 8 faster; again 71.9 -> 71.1,
-     * 6 of 8). Tiles cover each
-     * row's keys as far as the tile's last row, masked past its own: the same numbers. */
+     * 6 of 8). Tiles cover each row's keys as far as the tile's last row, masked past its
+     * own: the same numbers. */
     int tq = TQ, tasks = 0;
     for (int s = 0; s < num_seqs; s++) tasks += (q_lens[s] + tq - 1) / tq * kv_heads;
     if (tasks < 4 * omp_get_num_threads()) {
