@@ -1445,13 +1445,15 @@ QS_INLINE void ql_x8_tile2(const int qt, const int R, const uint8_t *g, const in
  * block, 8 words broadcast once (one load each) feed 8 512-bit vpdpbusd; the 256-bit tiles
  * load 8 words and 2 scale vectors for 8 weight rows, and are bound by those loads. Each
  * lane's arithmetic is ql_x8_tile's (the same two chains in the same order, the same scaling),
- * so a row's results are the same numbers whichever tile ran them. For Q4_0, Q4_1 and Q5_0,
- * from LOOM_X16_FROM rows (the Zen 4 EPYC, alternated in one process, 2026-11-28: Gemma 3's
- * fused step of 16 decodes and a 48-row chunk 62.8 -> 60.9 ms; one thread, 16 / 64 rows,
- * Q5_0 4096 x 640 1.05 / 1.13x, Q4_1 1536 x 576 1.10 / 1.12x, Q4_0 1.04-1.13x). Not Q8_0:
- * its 262,144-row output layer at 16 rows 0.86x (its blocks, 34 bytes a row, decode into
- * two groups' registers slower than the tile saves), nor the K-quants (their decoding spills).
- * 16 rows a tile were no better than 8 (0.90-1.18x by shape). */
+ * so a row's results are the same numbers whichever tile ran them. For Q4_0, Q4_1, Q5_0,
+ * Q4_K and Q5_K, from LOOM_X16_FROM rows (the Zen 4 EPYC, alternated in one process,
+ * 2026-11-28: Gemma 3's fused step of 16 decodes and a 48-row chunk 62.8 -> 60.9 ms with the
+ * first three, 65.9 -> 62.4 with the K-quants too; one thread, 16 / 64 rows, Q5_0 4096 x 640
+ * 1.05 / 1.13x, Q4_1 1536 x 576 1.10 / 1.12x, Q4_0 1.04-1.13x, Q4_K 640 x 1024 1.19 / 1.21x,
+ * 14336 x 4096 1.50 / 1.59x). Not Q8_0: its 262,144-row output layer at 16 rows 0.86x (its
+ * blocks, 34 bytes a row, decode into two groups' registers slower than the tile saves), nor
+ * Q6_K (two scales a block: a row loop of its own). 16 rows a tile were no better than 8
+ * (0.90-1.18x by shape). */
 #ifndef LOOM_X16_FROM
 #define LOOM_X16_FROM 8
 #endif
@@ -1531,7 +1533,8 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
     const int g1 = g0 + tiles_per_run < N / 8 ? g0 + tiles_per_run : N / 8;
     int grp = g0;
 #if defined(QL_X16)
-    if ((qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0) && m1 - m0 >= LOOM_X16_FROM)
+    if ((qt == QL_Q4_0 || qt == QL_Q4_1 || qt == QL_Q5_0 || qt == QL_Q4_K || qt == QL_Q5_K) &&
+        m1 - m0 >= LOOM_X16_FROM)
         for (; grp + 1 < g1; grp += 2) {
             const uint8_t *wg = w + (int64_t)grp * 8 * wrow;
             const float *bg = bias ? bias + 8 * grp : NULL;
