@@ -114,19 +114,25 @@ def test_decode_step_logits_equal_the_python_path(runner, lengths):
         assert (batch.query_lens == 1).all()
         meta = build_attention_metadata(batch.query_lens, batch.seq_lens, batch.block_tables, 4)
         assert runner.model.fused_decode.applies(meta)
-        ids = torch.from_numpy(batch.input_ids.astype(np.int64))
-        ids[ids < 0] = 7  # placeholders of the overlap scheduler: any token does here
-        rows = torch.arange(len(ids))
-        fused_path = runner.model.fused_decode
-        with torch.inference_mode():
-            fused = runner.model(ids, meta, runner.kv_cache, rows)
-            runner.model.fused_decode = None
-            try:
-                python = runner.model(ids, meta, runner.kv_cache, rows)
-            finally:
-                runner.model.fused_decode = fused_path
+        fused, python = both_paths(runner, batch.input_ids, meta)
         torch.testing.assert_close(fused, python, rtol=1e-4, atol=atol)
         sched.update(step, run_step(runner, step))
+
+
+def both_paths(runner, input_ids: np.ndarray, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's logits of one step, by the fused step and by the Python path."""
+    ids = torch.from_numpy(input_ids.astype(np.int64))
+    ids[ids < 0] = 7  # placeholders of the overlap scheduler: any token does here
+    rows = torch.arange(len(ids))
+    fused_path = runner.model.fused_decode
+    with torch.inference_mode():
+        fused = runner.model(ids, meta, runner.kv_cache, rows)
+        runner.model.fused_decode = None
+        try:
+            python = runner.model(ids, meta, runner.kv_cache, rows)
+        finally:
+            runner.model.fused_decode = fused_path
+    return fused, python
 
 
 # 16-token blocks: the prefill kernel's, which mixed steps need
@@ -143,7 +149,6 @@ def test_mixed_step_logits_equal_the_python_path(runner16):
     prefill kernel: every row's logits equal the Python path's, with the rows as scheduled
     (decodes first) and reversed (a decode row after a chunk's: gathered and scattered)."""
     runner, atol = runner16
-    fused_path = runner.model.fused_decode
     blocks = BlockManager(runner.num_blocks, 16)
     sched = Scheduler(PipelineConfig().replace(max_length=runner.max_model_len,
                                                max_batch_input_tokens=24), blocks)
@@ -158,17 +163,8 @@ def test_mixed_step_logits_equal_the_python_path(runner16):
         ids = np.concatenate([batch.input_ids[starts[i]:starts[i + 1]] for i in order])
         meta = build_attention_metadata(batch.query_lens[order], batch.seq_lens[order],
                                         batch.block_tables[order], 16)
-        assert fused_path.applies(meta, runner.kv_cache)
-        ids = torch.from_numpy(ids.astype(np.int64))
-        ids[ids < 0] = 7  # (placeholders of the overlap scheduler: any token does here)
-        rows = torch.arange(len(ids))
-        with torch.inference_mode():
-            fused = runner.model(ids, meta, runner.kv_cache, rows)
-            runner.model.fused_decode = None
-            try:
-                python = runner.model(ids, meta, runner.kv_cache, rows)
-            finally:
-                runner.model.fused_decode = fused_path
+        assert runner.model.fused_decode.applies(meta, runner.kv_cache)
+        fused, python = both_paths(runner, ids, meta)
         torch.testing.assert_close(fused, python, rtol=1e-4, atol=atol)
 
     add(6)

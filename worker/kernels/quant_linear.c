@@ -1457,9 +1457,6 @@ QS_INLINE void ql_x8_tile2(const int qt, const int R, const uint8_t *g, const in
 #ifndef LOOM_X16_FROM
 #define LOOM_X16_FROM 8
 #endif
-#ifndef LOOM_X16_R
-#define LOOM_X16_R 8 /* activation rows a tile */
-#endif
 QS_INLINE __m512i ql_x16_join(const __m256i lo, const __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -1472,8 +1469,8 @@ QS_INLINE void ql_x16_tile(const int qt, const int R, const uint8_t *g, const in
     const int64_t nb = a->nb;
     const int gbytes = 8 * ql_block_bytes(qt), sub = ql_subblocks(qt);
     const int has_o = qt != QL_Q8_0 || QS_X8_Q8_OFFSET;
-    __m512 acc[LOOM_X16_R];
-#pragma GCC unroll 16
+    __m512 acc[8];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *gb = g + b / sub * gbytes;
@@ -1492,7 +1489,7 @@ QS_INLINE void ql_x16_tile(const int qt, const int R, const uint8_t *g, const in
             wd = ql_x16_joinf(w0.d, w1.d);
             wo = ql_x16_joinf(w0.o, w1.o);
         }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int64_t row = r0 + r;
             const int8_t *xq = a->q + row * a->K + 32 * b;
@@ -1514,7 +1511,7 @@ QS_INLINE void ql_x16_tile(const int qt, const int R, const uint8_t *g, const in
                 acc[r] = _mm512_fmadd_ps(wo, _mm512_broadcast_f32x8(_mm256_loadu_ps(sx)), acc[r]);
         }
     }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         _mm512_storeu_ps(y + r * ldy, bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)) : acc[r]);
 }
@@ -1538,28 +1535,10 @@ QS_INLINE void ql_x8_chunk(const int qt, const uint8_t *w, const int64_t wrow, c
         for (; grp + 1 < g1; grp += 2) {
             const uint8_t *wg = w + (int64_t)grp * 8 * wrow;
             const float *bg = bias ? bias + 8 * grp : NULL;
-            for (int64_t r = m0; r < m1; r += LOOM_X16_R) {
-                switch (m1 - r < LOOM_X16_R ? (int)(m1 - r) : LOOM_X16_R) {
-                QL_X16_CASE(1)
-                QL_X16_CASE(2)
-                QL_X16_CASE(3)
-                QL_X16_CASE(4)
-                QL_X16_CASE(5)
-                QL_X16_CASE(6)
-                QL_X16_CASE(7)
-#if LOOM_X16_R > 8
-                QL_X16_CASE(8)
-                QL_X16_CASE(9)
-                QL_X16_CASE(10)
-                QL_X16_CASE(11)
-                QL_X16_CASE(12)
-                QL_X16_CASE(13)
-                QL_X16_CASE(14)
-                QL_X16_CASE(15)
-                default: QL_X16_CASE(16)
-#else
-                default: QL_X16_CASE(8)
-#endif
+            for (int64_t r = m0; r < m1; r += 8) { /* (8 activation rows a tile) */
+                switch (m1 - r < 8 ? (int)(m1 - r) : 8) {
+                QL_X16_CASE(1) QL_X16_CASE(2) QL_X16_CASE(3) QL_X16_CASE(4)
+                QL_X16_CASE(5) QL_X16_CASE(6) QL_X16_CASE(7) default: QL_X16_CASE(8)
                 }
             }
         }
