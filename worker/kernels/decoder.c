@@ -200,13 +200,15 @@ int loom_decode_layers(const LayerWeights *layers, int num_layers, const ModelDi
     float *attn = malloc(sizeof(float) * (size_t)T * q_size);
     float *gate_up = malloc(sizeof(float) * (size_t)T * 2 * inter);
     float *act = malloc(sizeof(float) * (size_t)T * inter);
-    /* Decode rows not at the step's first rows: their queries gathered by decode index into
-     * q, their output scattered back from dec_out (q_row[t]: row t's place in q, -1: none). */
+    /* The decode kernel reads its rows' queries from q, by decode index (q_row[t]: row t's
+     * place there, -1: a chunk's row, which the prefill kernel reads from qkv). Decode rows
+     * not at the step's first rows are gathered so, and their output scattered back from
+     * dec_out. */
     const int gathered = att->decodes > 0 && att->decode_rows != NULL;
     int *q_row = malloc(sizeof(int) * (size_t)(T ? T : 1));
     float *dec_out = gathered ? malloc(sizeof(float) * (size_t)att->decodes * q_size) : NULL;
     if (q_row) {
-        for (int t = 0; t < T; t++) q_row[t] = gathered ? -1 : t;
+        for (int t = 0; t < T; t++) q_row[t] = !gathered && t < att->decodes ? t : -1;
         if (gathered)
             for (int i = 0; i < att->decodes; i++) q_row[att->decode_rows[i]] = i;
     }
