@@ -97,15 +97,23 @@ def test_requests_started_at_different_steps_share_calls(flux):
                                    rtol=0, err_msg=req.prompt)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-ops", "torch-ops"])
 @pytest.mark.parametrize("guidance_embeds", [False, True])
-def test_flux_forward_matches_the_transformers_own_forward(guidance_embeds):
+def test_flux_forward_matches_the_transformers_own_forward(guidance_embeds, native, monkeypatch):
     """FluxForward against FluxTransformer2DModel.forward on a random model with two blocks of
     each kind (the runner's tiny FLUX has one of each: its single block is the last one, whose
-    text rows FluxForward skips), two samples at different timesteps and guidances."""
+    text rows FluxForward skips), two samples at different timesteps and guidances; with the
+    element-wise ops native (worker/kernels/flux_ops.c) and in PyTorch."""
     import torch
     from diffusers import FluxTransformer2DModel
 
+    from worker.pixels import flux_ops
     from worker.pixels.flux_forward import FluxForward, rope_table
+
+    if native and flux_ops._lib is None:
+        pytest.skip("the native kernels could not be built here")
+    if not native:
+        monkeypatch.setattr(flux_ops, "_lib", None)
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(

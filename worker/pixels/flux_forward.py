@@ -16,7 +16,10 @@ then discards. This forward computes the same function, up to float rounding:
   discarded, so their queries, attention rows, MLP and projection are not computed at all;
 - rope: text position ids are zero (FluxRunner's txt_ids), the identity rotation, skipped;
   image rows are rotated in place as complex products with a table built once per request;
-- tanh-GELU as x * sigmoid(2u), the same function with a faster transcendental.
+- tanh-GELU as x * sigmoid(2u), the same function with a faster transcendental;
+- in float32 on a CPU, the ops between the matmuls are native (flux_ops: worker/kernels/
+  flux_ops.c), one pass each: the modulated LayerNorm, the q/k RMSNorm with rope (in place on
+  the projection's output) and GELU (in place), 1.06-1.10x a batched step.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.pixels import flux_ops
+
 SQRT_8_OVER_PI = 1.5957691216057308  # 2 * sqrt(2 / pi)
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh approximation, 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi)(x +
-    0.044715 x^3): torch's tanh runs at half sigmoid's speed on a CPU."""
+    0.044715 x^3): torch's tanh runs at half sigmoid's speed on a CPU. In place where native."""
+    if flux_ops.applies(x):
+        return flux_ops.gelu_tanh_(x)
     u = x * x
     u.mul_(0.044715 * SQRT_8_OVER_PI).add_(SQRT_8_OVER_PI).mul_(x)
     return u.sigmoid_().mul_(x)
@@ -54,6 +61,8 @@ def rotate_(x: torch.Tensor, rope: torch.Tensor) -> None:
 
 def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """AdaLayerNorm's LayerNorm(x) * (1 + scale) + shift, per sample."""
+    if flux_ops.applies(x):
+        return flux_ops.modulated_norm(x, shift, scale, 1e-6)
     normed = F.layer_norm(x, x.shape[-1:], eps=1e-6)
     return torch.addcmul(shift[:, None], normed, 1 + scale[:, None])
 
@@ -90,15 +99,24 @@ class _Attention:
         out[:, text_rows:].mul_(image_norm.weight)
         return out
 
+    def _norm_rope(self, x: torch.Tensor, text_rows: int, rope: torch.Tensor, image_norm,
+                   text_norm) -> torch.Tensor:
+        """x [B, S, H, head_dim] normed and its image rows rotated: in place where native
+        (x is a slice of its projection's output, not needed otherwise), else a copy."""
+        if flux_ops.applies(x) and image_norm.weight is not None and \
+                text_norm.weight is not None:
+            flux_ops.qk_norm_rope_(x, text_rows, text_norm.weight, image_norm.weight, rope,
+                                   image_norm.eps)
+            return x
+        x = self._norm(x, text_rows, image_norm, text_norm)
+        rotate_(x[:, text_rows:], rope)
+        return x
+
     def query(self, q: torch.Tensor, text_rows: int, rope: torch.Tensor) -> torch.Tensor:
-        q = self._norm(q, text_rows, self.norm_q, self.text_norm_q)
-        rotate_(q[:, text_rows:], rope)
-        return q
+        return self._norm_rope(q, text_rows, rope, self.norm_q, self.text_norm_q)
 
     def key(self, k: torch.Tensor, text_rows: int, rope: torch.Tensor) -> torch.Tensor:
-        k = self._norm(k, text_rows, self.norm_k, self.text_norm_k)
-        rotate_(k[:, text_rows:], rope)
-        return k
+        return self._norm_rope(k, text_rows, rope, self.norm_k, self.text_norm_k)
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -144,7 +162,7 @@ class _DoubleBlock:
 
 def _feed_forward(ff, x: torch.Tensor) -> torch.Tensor:
     """diffusers' FeedForward with activation_fn="gelu-approximate" (dropout is identity)."""
-    return ff.net[2](gelu_tanh(ff.net[0].proj(x)))
+    return ff.net[2](gelu_tanh_(ff.net[0].proj(x)))
 
 
 class _SingleBlock:
@@ -165,7 +183,7 @@ class _SingleBlock:
         """proj_out(cat([attn, gelu(mlp)])) without the concatenation."""
         shape = attn.shape
         out = torch.addmm(self.b.proj_out.bias, attn.reshape(-1, shape[-1]), self.out_attn)
-        out.addmm_(gelu_tanh(mlp).reshape(-1, mlp.shape[-1]), self.out_mlp)
+        out.addmm_(gelu_tanh_(mlp).reshape(-1, mlp.shape[-1]), self.out_mlp)
         return out.view(shape)
 
     def __call__(self, joined: torch.Tensor, temb: torch.Tensor, rope: torch.Tensor,
