@@ -47,7 +47,7 @@ def test_schemathesis_finds_no_server_errors(server):
             [SCHEMATHESIS, "run", server.url + "/openapi.json",
              "--checks", "not_a_server_error,response_schema_conformance,"
                          "status_code_conformance,content_type_conformance",
-             "--max-examples", "200", "--max-time", "25", "--seed", "7",
+             "--max-examples", "200", "--max-time", "15", "--seed", "7",
              "--request-timeout", "20", "--suppress-health-check", "all", "--workers", "2"],
             capture_output=True, text=True, timeout=300)
 
