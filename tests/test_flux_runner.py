@@ -103,23 +103,25 @@ def test_flux_forward_matches_the_transformers_own_forward(guidance_embeds, nati
     """FluxForward against FluxTransformer2DModel.forward on a random model with two blocks of
     each kind (the runner's tiny FLUX has one of each: its single block is the last one, whose
     text rows FluxForward skips), two samples at different timesteps and guidances; with the
-    element-wise ops native (worker/kernels/flux_ops.c) and in PyTorch."""
+    element-wise ops and the attention native (worker/kernels/flux_ops.c, flux_attention.c)
+    and in PyTorch."""
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from worker.pixels import flux_ops
+    from worker.pixels import flux_attention, flux_ops
     from worker.pixels.flux_forward import FluxForward, rope_table
 
-    if native and flux_ops._lib is None:
-        pytest.skip("the native kernels could not be built here")
+    if native and (flux_ops._lib is None or flux_attention._lib is None):
+        pytest.skip("the native kernels could not be built here (or no AVX-512)")
     if not native:
         monkeypatch.setattr(flux_ops, "_lib", None)
+        monkeypatch.setattr(flux_attention, "_lib", None)
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(
-        in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8,
+        in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        guidance_embeds=guidance_embeds, axes_dims_rope=(2, 2, 4)).eval()
+        guidance_embeds=guidance_embeds, axes_dims_rope=(4, 4, 8)).eval()
     latents, embeds, pooled = torch.randn(2, 24, 16), torch.randn(2, 40, 32), torch.randn(2, 32)
     timestep = torch.tensor([0.9, 0.25])
     guidance = torch.tensor([3.5, 1.0]) if guidance_embeds else None
@@ -133,3 +135,35 @@ def test_flux_forward_matches_the_transformers_own_forward(guidance_embeds, nati
                                   rope_table(model, img_ids))
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 7, 1, 16), (2, 50, 77, 3, 64), (2, 256, 768, 2, 64),
+                                   (1, 13, 40, 2, 128), (1, 100, 100, 1, 48)],
+                         ids=lambda s: "B{}-Sq{}-S{}-H{}-d{}".format(*s))
+def test_native_attention_equals_scaled_dot_product_attention(shape):
+    """flux_attention against PyTorch's SDPA in float64 on slices of one projection (strided
+    rows, as FluxForward passes them): query blocks and key counts that fill no tile, several
+    heads, head_dim 16 to 128, and a sample whose scores span tens (its softmax rows nearly
+    one-hot). Its float32 error is no larger than PyTorch's own float32 kernel's."""
+    import torch
+    import torch.nn.functional as F
+
+    from worker.pixels import flux_attention
+
+    if flux_attention._lib is None:
+        pytest.skip("the native kernel could not be built here (or no AVX-512)")
+    batch, rows, keys, heads, head_dim = shape
+    torch.manual_seed(0)
+    qkv = torch.randn(batch, keys, 3, heads, head_dim)
+    qkv[0, :, 0] *= 8
+    q, k, v = qkv[:, keys - rows:, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2)).transpose(1, 2).flatten(2)
+
+    exact = sdpa(q.double(), k.double(), v.double())
+    ours = flux_attention.attend(q, k, v)
+    assert ours.shape == exact.shape and ours.dtype == torch.float32
+    torch_error = (sdpa(q, k, v).double() - exact).abs().max().item()
+    assert (ours.double() - exact).abs().max().item() <= 1.5 * torch_error + 1e-6

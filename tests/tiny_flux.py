@@ -83,9 +83,9 @@ def make_tiny_flux(out_dir: str, guidance_embeds: bool = False, seed: int = 0,
         vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=3))
     shape = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                 attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                 attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                  pooled_projection_dim=32, guidance_embeds=guidance_embeds,
-                 axes_dims_rope=(2, 2, 4))
+                 axes_dims_rope=(4, 4, 8))
     shape.update(transformer_shape)
     transformer = FluxTransformer2DModel(**shape)
     vae = AutoencoderKL(
