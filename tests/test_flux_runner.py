@@ -103,19 +103,21 @@ def test_flux_forward_matches_the_transformers_own_forward(guidance_embeds, nati
     """FluxForward against FluxTransformer2DModel.forward on a random model with two blocks of
     each kind (the runner's tiny FLUX has one of each: its single block is the last one, whose
     text rows FluxForward skips), two samples at different timesteps and guidances; with the
-    element-wise ops and the attention native (worker/kernels/flux_ops.c, flux_attention.c)
-    and in PyTorch."""
+    element-wise ops, the attention and the linears native (worker/kernels/flux_ops.c,
+    flux_attention.c, packed_linear.c) and in PyTorch."""
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from worker.pixels import flux_attention, flux_ops
+    from worker.pixels import flux_attention, flux_linear, flux_ops
     from worker.pixels.flux_forward import FluxForward, rope_table
 
-    if native and (flux_ops._lib is None or flux_attention._lib is None):
+    if native and (flux_ops._lib is None or flux_attention._lib is None
+                   or flux_linear.KERNEL is None):
         pytest.skip("the native kernels could not be built here (or no AVX-512)")
     if not native:
         monkeypatch.setattr(flux_ops, "_lib", None)
         monkeypatch.setattr(flux_attention, "_lib", None)
+        monkeypatch.setattr(flux_linear, "KERNEL", None)
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(

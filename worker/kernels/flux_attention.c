@@ -129,9 +129,9 @@ DEFINE_PV(pv_6x16, 1)
 /* One task: rows [i0, i0 + n) of sample b, head h. s: (QB + 8) x keys_pad scratch, zeroed
  * once (rows past n are read by the tiles, never stored). */
 static void attend_block(const float *q, int64_t q_sb, int64_t q_si, const float *kt,
-                         const float *v, int64_t v_ld, float *out, int Sq, int keys, int64_t keys_pad,
-                         int heads, int head_dim, int b, int h, int i0, int n, float scale,
-                         float *qs, float *s) {
+                         const float *v, int64_t v_ld, float *out, int64_t out_ld, int Sq,
+                         int keys, int64_t keys_pad, int head_dim, int b, int h, int i0,
+                         int n, float scale, float *qs, float *s) {
     for (int r = 0; r < round_up(n, 8); r++) {
         float *dst = qs + (int64_t)r * head_dim;
         if (r >= n) {
@@ -145,7 +145,6 @@ static void attend_block(const float *q, int64_t q_sb, int64_t q_si, const float
         scores_8(qs + (int64_t)r * head_dim, kt, s + r * keys_pad, head_dim, keys_pad);
     float inv[QB];
     for (int r = 0; r < n; r++) inv[r] = softmax_row(s + r * keys_pad, keys_pad, keys);
-    const int64_t out_ld = (int64_t)heads * head_dim;
     float *o = out + ((int64_t)b * Sq + i0) * out_ld + (int64_t)h * head_dim;
     for (int r = 0; r < n; r += 6) {
         const int rows = n - r < 6 ? n - r : 6;
@@ -160,11 +159,13 @@ static void attend_block(const float *q, int64_t q_sb, int64_t q_si, const float
 }
 
 /* q [B, Sq, H, d], k and v [B, S, H, d] (rows and samples strided, each row's heads
- * contiguous); out [B, Sq, H, d] contiguous. head_dim a multiple of 16. Returns 0, or -1 if
+ * contiguous); out [B, Sq, H, d], rows out_ld floats apart (>= H d: a column slice of a wider
+ * tensor), samples Sq rows apart. head_dim a multiple of 16. Returns 0, or -1 if
  * its scratch memory could not be had (out is then not to be used). */
 int loom_flux_attention(const float *q, int64_t q_sb, int64_t q_si, const float *k,
                         int64_t k_sb, int64_t k_sj, const float *v, int64_t v_sb, int64_t v_sj,
-                        float *out, int B, int Sq, int S, int H, int head_dim, float scale) {
+                        float *out, int64_t out_ld, int B, int Sq, int S, int H, int head_dim,
+                        float scale) {
     const int64_t keys_pad = round_up(S, KEY_PAD);
     const int64_t per_head = keys_pad * head_dim;
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)(B * H) * per_head);
@@ -202,8 +203,8 @@ int loom_flux_attention(const float *q, int64_t q_sb, int64_t q_si, const float 
             const int n = Sq - i0 < QB ? Sq - i0 : QB;
             const int b = bh / H, h = bh % H;
             attend_block(q, q_sb, q_si, kt + bh * per_head,
-                         v + b * v_sb + (int64_t)h * head_dim, v_sj, out, Sq, S, keys_pad, H,
-                         head_dim, b, h, i0, n, scale, qs, s);
+                         v + b * v_sb + (int64_t)h * head_dim, v_sj, out, out_ld, Sq, S,
+                         keys_pad, head_dim, b, h, i0, n, scale, qs, s);
         }
         free(s);
         free(qs);
@@ -217,7 +218,8 @@ int loom_flux_attention_available(void) { return 0; }
 
 int loom_flux_attention(const float *q, int64_t q_sb, int64_t q_si, const float *k,
                         int64_t k_sb, int64_t k_sj, const float *v, int64_t v_sb, int64_t v_sj,
-                        float *out, int B, int Sq, int S, int H, int head_dim, float scale) {
+                        float *out, int64_t out_ld, int B, int Sq, int S, int H, int head_dim,
+                        float scale) {
     return -2; /* (never called: loom_flux_attention_available says so) */
 }
 #endif

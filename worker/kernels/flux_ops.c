@@ -75,19 +75,22 @@ void loom_flux_qk_norm_rope(float *x, int samples, int rows, int64_t sample_ld, 
     }
 }
 
-/* In place: x = 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), torch's
+/* dst = 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), x = src: torch's
  * gelu(approximate="tanh") (the sigmoid form: expf vectorises, tanhf does not everywhere).
- * `rows` rows of `cols`, `ld` floats apart (a column slice of a wider matrix). */
-void loom_flux_gelu_tanh(float *x, int64_t rows, int64_t ld, int cols) {
+ * `rows` rows of `cols`, each matrix's rows `ld` floats apart (column slices of wider ones);
+ * dst may be src. */
+void loom_flux_gelu_tanh(const float *src, int64_t ld_src, float *dst, int64_t ld_dst,
+                         int64_t rows, int cols) {
     const float k = 1.5957691216057308f; /* 2 sqrt(2 / pi) */
 #pragma omp parallel for if (rows * cols >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        float *restrict v = x + r * ld;
+        const float *x = src + r * ld_src;
+        float *y = dst + r * ld_dst;
         for (int c = 0; c < cols; c++) {
-            const float a = v[c];
+            const float a = x[c];
             /* (the exponent capped: past 80 the result is 0 either way, and no inf appears
                where -ffast-math assumes there is none) */
-            v[c] = a / (1.f + expf(fminf(-k * (a + 0.044715f * a * a * a), 80.f)));
+            y[c] = a / (1.f + expf(fminf(-k * (a + 0.044715f * a * a * a), 80.f)));
         }
     }
 }

@@ -8,10 +8,12 @@ rebuilt every call, tanh-GELU's slow tanh) and computes text rows of the last bl
 then discards. This forward computes the same function, up to float rounding:
 
 - one matmul per stream for q, k and v, and in a single block one for q, k, v and the MLP's
-  input, on weights concatenated once (the modules' weights become views of them: no copy);
+  input, on weights concatenated once (flux_linear.FluxLinear: in float32 on a CPU, Loom's
+  packed GEMM, which writes into slices: both streams' q/k/v land in one [text; image] tensor,
+  a single block's attention output and GELU(MLP) side by side in its output projection's
+  input; a batched step 1.12-1.26x against the same forward on F.linear);
 - single blocks keep text and image rows in one tensor (diffusers concatenates and splits them
-  in every block) and split their output projection in an attention half and an MLP half
-  instead of concatenating its input;
+  in every block);
 - the last single block computes only keys and values for the text rows: its text outputs are
   discarded, so their queries, attention rows, MLP and projection are not computed at all;
 - rope: text position ids are zero (FluxRunner's txt_ids), the identity rotation, skipped;
@@ -19,7 +21,7 @@ then discards. This forward computes the same function, up to float rounding:
 - tanh-GELU as x * sigmoid(2u), the same function with a faster transcendental;
 - in float32 on a CPU, the ops between the matmuls are native (flux_ops: worker/kernels/
   flux_ops.c), one pass each: the modulated LayerNorm, the q/k RMSNorm with rope (in place on
-  the projection's output) and GELU (in place), 1.06-1.10x a batched step; and the attention
+  the projection's output) and GELU, 1.06-1.10x a batched step; and the attention
   (flux_attention: two blocked GEMMs around an exact softmax, ~1.15x PyTorch's flash kernel).
 """
 
@@ -27,21 +29,23 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from worker.pixels import flux_attention, flux_ops
+from worker.pixels.flux_linear import FluxLinear
 
 SQRT_8_OVER_PI = 1.5957691216057308  # 2 * sqrt(2 / pi)
 
 
-def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """GELU's tanh approximation, 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi)(x +
-    0.044715 x^3): torch's tanh runs at half sigmoid's speed on a CPU. In place where native."""
+    0.044715 x^3) (torch's tanh runs at half sigmoid's speed on a CPU), into `out` (x itself
+    by default: in place)."""
+    out = x if out is None else out
     if flux_ops.applies(x):
-        return flux_ops.gelu_tanh_(x)
+        return flux_ops.gelu_tanh(x, out)
     u = x * x
     u.mul_(0.044715 * SQRT_8_OVER_PI).add_(SQRT_8_OVER_PI).mul_(x)
-    return u.sigmoid_().mul_(x)
+    return out.copy_(u.sigmoid_().mul_(x))
 
 
 def rope_table(transformer, img_ids: torch.Tensor) -> torch.Tensor:
@@ -66,20 +70,6 @@ def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) ->
         return flux_ops.modulated_norm(x, shift, scale, 1e-6)
     normed = F.layer_norm(x, x.shape[-1:], eps=1e-6)
     return torch.addcmul(shift[:, None], normed, 1 + scale[:, None])
-
-
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One weight and bias for several linears of the same input; each module's weight and
-    bias become views of them, so the model holds them once."""
-    weight = torch.cat([m.weight.detach() for m in linears])
-    bias = torch.cat([m.bias.detach() for m in linears])
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
-        m.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
 
 
 class _Attention:
@@ -120,10 +110,11 @@ class _Attention:
         return self._norm_rope(k, text_rows, rope, self.norm_k, self.text_norm_k)
 
     @staticmethod
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """[B, Sq, H, d], [B, S, H, d] x2 -> [B, Sq, H * d] (flux_attention: native, or
-        PyTorch's CPU flash kernel, which takes the [B, S, H, d] strides as they are)."""
-        return flux_attention.attend(q, k, v)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, Sq, H, d], [B, S, H, d] x2 -> [B, Sq, H * d], into `out` if given
+        (flux_attention: native, or PyTorch's CPU flash kernel)."""
+        return flux_attention.attend(q, k, v, out)
 
 
 class _DoubleBlock:
@@ -133,8 +124,11 @@ class _DoubleBlock:
         a = block.attn
         self.b = block
         self.attn = _Attention(a, (a.norm_added_q, a.norm_added_k))
-        self.qkv_image = fuse_linears([a.to_q, a.to_k, a.to_v])
-        self.qkv_text = fuse_linears([a.add_q_proj, a.add_k_proj, a.add_v_proj])
+        self.qkv_image = FluxLinear.of([a.to_q, a.to_k, a.to_v])
+        self.qkv_text = FluxLinear.of([a.add_q_proj, a.add_k_proj, a.add_v_proj])
+        self.out_image, self.out_text = FluxLinear.of([a.to_out[0]]), FluxLinear.of([a.to_add_out])
+        self.ff_image = _FeedForward(block.ff)
+        self.ff_text = _FeedForward(block.ff_context)
 
     def __call__(self, text: torch.Tensor, image: torch.Tensor, temb: torch.Tensor,
                  rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,56 +138,67 @@ class _DoubleBlock:
         (c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp,
          c_gate_mlp) = b.norm1_context.linear(silu).chunk(6, 1)
         rows = text.shape[1]
-        qkv = torch.cat([F.linear(modulated_norm(text, c_shift, c_scale), *self.qkv_text),
-                         F.linear(modulated_norm(image, shift, scale), *self.qkv_image)], 1)
+        # Both streams' q/k/v into one [text; image] tensor, sample by sample.
+        qkv = text.new_empty(text.shape[0], rows + image.shape[1], self.qkv_text.out_features)
+        self.qkv_text(modulated_norm(text, c_shift, c_scale), qkv[:, :rows])
+        self.qkv_image(modulated_norm(image, shift, scale), qkv[:, rows:])
         qkv = qkv.unflatten(-1, (3, a.heads, a.head_dim))
         out = a.attend(a.query(qkv[:, :, 0], rows, rope), a.key(qkv[:, :, 1], rows, rope),
                        qkv[:, :, 2])
 
-        image = torch.addcmul(image, gate[:, None], b.attn.to_out[0](out[:, rows:]))
+        image = torch.addcmul(image, gate[:, None], self.out_image(out[:, rows:]))
         image = torch.addcmul(image, gate_mlp[:, None],
-                              _feed_forward(b.ff, modulated_norm(image, shift_mlp, scale_mlp)))
-        text = torch.addcmul(text, c_gate[:, None], b.attn.to_add_out(out[:, :rows]))
-        text = torch.addcmul(text, c_gate_mlp[:, None], _feed_forward(
-            b.ff_context, modulated_norm(text, c_shift_mlp, c_scale_mlp)))
+                              self.ff_image(modulated_norm(image, shift_mlp, scale_mlp)))
+        text = torch.addcmul(text, c_gate[:, None], self.out_text(out[:, :rows]))
+        text = torch.addcmul(text, c_gate_mlp[:, None],
+                             self.ff_text(modulated_norm(text, c_shift_mlp, c_scale_mlp)))
         return text, image
 
 
-def _feed_forward(ff, x: torch.Tensor) -> torch.Tensor:
+class _FeedForward:
     """diffusers' FeedForward with activation_fn="gelu-approximate" (dropout is identity)."""
-    return ff.net[2](gelu_tanh_(ff.net[0].proj(x)))
+
+    def __init__(self, ff) -> None:
+        self.up, self.down = FluxLinear.of([ff.net[0].proj]), FluxLinear.of([ff.net[2]])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(gelu_tanh(self.up(x)))
 
 
 class _SingleBlock:
     """FluxSingleTransformerBlock on joined [text; image] rows: attention and MLP side by side
-    from one input projection, one output projection over both."""
+    from one input projection, one output projection over both (its input [attention | GELU(MLP)]
+    written in place, never concatenated)."""
 
     def __init__(self, block) -> None:
         a = block.attn
         self.b = block
         self.attn = _Attention(a)
         self.dim = a.heads * a.head_dim
-        # [q; k; v; mlp] rows: the last block's text rows use the k, v slice alone.
-        self.qkv_mlp = fuse_linears([a.to_q, a.to_k, a.to_v, block.proj_mlp])
-        weight = block.proj_out.weight.detach()
-        self.out_attn, self.out_mlp = weight[:, :self.dim].t(), weight[:, self.dim:].t()
+        # The last block's text rows need keys and values only: their own layer, made
+        # before the fused one releases the modules' weights.
+        self.kv = FluxLinear(torch.cat([a.to_k.weight.detach(), a.to_v.weight.detach()]),
+                             torch.cat([a.to_k.bias.detach(), a.to_v.bias.detach()]))
+        self.qkv_mlp = FluxLinear.of([a.to_q, a.to_k, a.to_v, block.proj_mlp])
+        self.proj_out = FluxLinear.of([block.proj_out])
 
-    def _project_out(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
-        """proj_out(cat([attn, gelu(mlp)])) without the concatenation."""
-        shape = attn.shape
-        out = torch.addmm(self.b.proj_out.bias, attn.reshape(-1, shape[-1]), self.out_attn)
-        out.addmm_(gelu_tanh_(mlp).reshape(-1, mlp.shape[-1]), self.out_mlp)
-        return out.view(shape)
+    def _attention_and_mlp(self, q, k, v, mlp: torch.Tensor) -> torch.Tensor:
+        """proj_out([attention(q, k, v) | GELU(mlp)]), both halves written in place."""
+        both = mlp.new_empty(*mlp.shape[:-1], self.proj_out.in_features)
+        self.attn.attend(q, k, v, both[..., :self.dim])
+        gelu_tanh(mlp, both[..., self.dim:])
+        return self.proj_out(both)
 
     def __call__(self, joined: torch.Tensor, temb: torch.Tensor, rope: torch.Tensor,
                  text_rows: int) -> torch.Tensor:
         a, d = self.attn, self.dim
         shift, scale, gate = self.b.norm.linear(F.silu(temb)).chunk(3, 1)
-        y = F.linear(modulated_norm(joined, shift, scale), *self.qkv_mlp)
+        y = self.qkv_mlp(modulated_norm(joined, shift, scale))
         qkv = y[..., :3 * d].unflatten(-1, (3, a.heads, a.head_dim))
-        out = a.attend(a.query(qkv[:, :, 0], text_rows, rope),
-                       a.key(qkv[:, :, 1], text_rows, rope), qkv[:, :, 2])
-        return torch.addcmul(joined, gate[:, None], self._project_out(out, y[..., 3 * d:]))
+        out = self._attention_and_mlp(a.query(qkv[:, :, 0], text_rows, rope),
+                                      a.key(qkv[:, :, 1], text_rows, rope), qkv[:, :, 2],
+                                      y[..., 3 * d:])
+        return torch.addcmul(joined, gate[:, None], out)
 
     def last(self, joined: torch.Tensor, temb: torch.Tensor, rope: torch.Tensor,
              text_rows: int) -> torch.Tensor:
@@ -201,14 +206,16 @@ class _SingleBlock:
         a, d = self.attn, self.dim
         shift, scale, gate = self.b.norm.linear(F.silu(temb)).chunk(3, 1)
         normed = modulated_norm(joined, shift, scale)
-        weight, bias = self.qkv_mlp
-        text_kv = F.linear(normed[:, :text_rows], weight[d:3 * d], bias[d:3 * d])
-        y = F.linear(normed[:, text_rows:], weight, bias)
-        kv = torch.cat([text_kv, y[..., d:3 * d]], 1).unflatten(-1, (2, a.heads, a.head_dim))
+        batch, rows = joined.shape[0], joined.shape[1]
+        kv = joined.new_empty(batch, rows, 2 * d)
+        self.kv(normed[:, :text_rows], kv[:, :text_rows])
+        y = self.qkv_mlp(normed[:, text_rows:])
+        kv[:, text_rows:] = y[..., d:3 * d]
+        kv = kv.unflatten(-1, (2, a.heads, a.head_dim))
         q = y[..., :d].unflatten(-1, (a.heads, a.head_dim))
-        out = a.attend(a.query(q, 0, rope), a.key(kv[:, :, 0], text_rows, rope), kv[:, :, 1])
-        image = joined[:, text_rows:]
-        return torch.addcmul(image, gate[:, None], self._project_out(out, y[..., 3 * d:]))
+        out = self._attention_and_mlp(a.query(q, 0, rope), a.key(kv[:, :, 0], text_rows, rope),
+                                      kv[:, :, 1], y[..., 3 * d:])
+        return torch.addcmul(joined[:, text_rows:], gate[:, None], out)
 
 
 class FluxForward:

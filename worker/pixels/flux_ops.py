@@ -16,7 +16,7 @@ if _lib is not None:
     for _name, _args in {
         "loom_flux_modulated_norm": [_P, _P, _I, _I, _I, _P, _P, _L, _F],
         "loom_flux_qk_norm_rope": [_P, _I, _I, _L, _L, _I, _I, _I, _P, _P, _P, _F],
-        "loom_flux_gelu_tanh": [_P, _L, _L, _I],
+        "loom_flux_gelu_tanh": [_P, _L, _P, _L, _L, _I],
     }.items():
         getattr(_lib, _name).restype = None
         getattr(_lib, _name).argtypes = _args
@@ -53,9 +53,11 @@ def qk_norm_rope_(x: torch.Tensor, text_rows: int, text_weight: torch.Tensor,
                                 image_weight.data_ptr(), table.data_ptr(), eps)
 
 
-def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
-    """In place: tanh-GELU over x [..., C] (rows may be strided, columns contiguous)."""
-    rows = x.view(-1, x.shape[-1])  # (raises where x's leading dims are not one stride apart)
-    assert rows.stride(-1) == 1
-    _lib.loom_flux_gelu_tanh(rows.data_ptr(), rows.shape[0], rows.stride(0), rows.shape[1])
-    return x
+def gelu_tanh(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = tanh-GELU(x) over x, out [..., C] (rows may be strided, columns contiguous; out
+    may be x)."""
+    src, dst = x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # (raise where not rows)
+    assert src.shape == dst.shape and src.stride(-1) == 1 and dst.stride(-1) == 1
+    _lib.loom_flux_gelu_tanh(src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0),
+                             src.shape[0], src.shape[1])
+    return out
