@@ -6,7 +6,8 @@ Three measurements of the same model, prompt length P and output length N:
   baseline  Hugging Face `generate`, what a user would write without a server
 
 The other entry points (`python -m bench.<name> --help`): soak, structured, prefix_cache,
-speech, voice, vision, quant_linear, llama_server, plot. What they all share lives here.
+speech, voice, vision, images, image_step_ab, quant_linear, llama_server, plot. What they all
+share lives here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ then discards. This forward computes the same function, up to float rounding:
   input, on weights concatenated once (flux_linear.FluxLinear: in float32 on a CPU, Loom's
   packed GEMM, which writes into slices: both streams' q/k/v land in one [text; image] tensor,
   a single block's attention output and GELU(MLP) side by side in its output projection's
-  input; a batched step 1.05-1.07x against MKL through F.linear and concatenations);
+  input; a batched step 1.02-1.07x against MKL through F.linear and concatenations);
 - single blocks keep text and image rows in one tensor (diffusers concatenates and splits them
   in every block);
 - the last single block computes only keys and values for the text rows: its text outputs are
