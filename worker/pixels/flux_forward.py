@@ -170,16 +170,19 @@ class _SingleBlock:
     from one input projection, one output projection over both (its input [attention | GELU(MLP)]
     written in place, never concatenated)."""
 
-    def __init__(self, block) -> None:
+    def __init__(self, block, last: bool = False) -> None:
         a = block.attn
         self.b = block
         self.attn = _Attention(a)
-        self.dim = a.heads * a.head_dim
-        # The last block's text rows need keys and values only: their own layer, made
-        # before the fused one releases the modules' weights.
-        self.kv = FluxLinear(torch.cat([a.to_k.weight.detach(), a.to_v.weight.detach()]),
-                             torch.cat([a.to_k.bias.detach(), a.to_v.bias.detach()]))
+        self.dim = d = a.heads * a.head_dim
+        # The last block's text rows need keys and values only: a layer of their own (packed:
+        # made before the fused layer releases the modules' weights; else views of its weight).
+        kv = [torch.cat([m.weight.detach() for m in (a.to_k, a.to_v)]),
+              torch.cat([m.bias.detach() for m in (a.to_k, a.to_v)])] if last else None
         self.qkv_mlp = FluxLinear.of([a.to_q, a.to_k, a.to_v, block.proj_mlp])
+        if last and self.qkv_mlp.weight is not None:
+            kv = [self.qkv_mlp.weight[d:3 * d], self.qkv_mlp.bias[d:3 * d]]
+        self.kv = FluxLinear(*kv) if last else None
         self.proj_out = FluxLinear.of([block.proj_out])
 
     def _attention_and_mlp(self, q, k, v, mlp: torch.Tensor) -> torch.Tensor:
@@ -224,7 +227,8 @@ class FluxForward:
     def __init__(self, transformer) -> None:
         self.t = transformer
         self.double = [_DoubleBlock(b) for b in transformer.transformer_blocks]
-        self.single = [_SingleBlock(b) for b in transformer.single_transformer_blocks]
+        blocks = transformer.single_transformer_blocks
+        self.single = [_SingleBlock(b, last=i == len(blocks) - 1) for i, b in enumerate(blocks)]
 
     @torch.inference_mode()
     def __call__(self, latents: torch.Tensor, timestep: torch.Tensor,
