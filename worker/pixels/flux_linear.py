@@ -53,11 +53,12 @@ class FluxLinear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out], into `out` if given (rows may be strided). A 3-D x or out
         whose samples are not one row stride apart runs sample by sample."""
-        if out is None:
-            out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         if self._gemm is None:
-            out.copy_(F.linear(x, self.weight, self.bias))
-            return out
+            y = F.linear(x, self.weight, self.bias)
+            return y if out is None else out.copy_(y)
+        assert x.dtype == torch.float32
+        if out is None:
+            out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)
         if x.dim() == 3 and not (_rows_of(x) and _rows_of(out)):
             for sample in range(x.shape[0]):
                 self(x[sample], out[sample])
