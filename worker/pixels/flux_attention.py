@@ -36,13 +36,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     output) -> [B, Sq, H * d], into `out` if given (rows may be strided: a column slice of a
     wider tensor)."""
     batch, rows, heads, head_dim = q.shape
+    if not (_native(q, k, v) and (out is None or (out.stride(-1) == 1 and (
+            batch == 1 or out.stride(0) == rows * out.stride(1))))):
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2)).transpose(1, 2).flatten(2)
+        return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty((batch, rows, heads * head_dim), dtype=q.dtype, device=q.device)
-    if not (_native(q, k, v) and out.stride(-1) == 1
-            and (batch == 1 or out.stride(0) == rows * out.stride(1))):
-        out.copy_(F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                 v.transpose(1, 2)).transpose(1, 2).flatten(2))
-        return out
     rc = _lib.loom_flux_attention(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), out.stride(1), batch, rows,
